@@ -1,0 +1,80 @@
+"""Numerics probes: what quantizing a tensor to a format does to it.
+
+:func:`quant_metrics` returns a dict of float32 scalars (a pytree, so it works under ``jit``,
+``vmap`` and inside a training step):
+
+* ``underflow``: flush-to-zero rate, ``count(x != 0 and x̂ == 0) / count(x != 0)`` (nonzero
+  denominator, fp4lab's default; NVFP4 on N(0, 1) gives about 6.8 %).
+* ``underflow_all``: the same count over *all* elements (the denominator of TE's debug
+  feature), for comparison with TE logs.
+* ``saturation``: ``count(|x * enc| > max_elem) / count(x)``, measured before clipping.
+* ``rel_mse``: ``||x - x̂||² / ||x||²``; ``sqnr_db``: ``20 log10(||x|| / ||x - x̂||)`` (inf
+  when exact).
+* ``bad_scales``: fraction of blocks whose stored scale is zero or subnormal (E4M3, FP16,
+  FP32 scales) or clamped at 2**-127 (E8M0): "scale health".
+
+Padding added to reach a whole block is excluded from every count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp4lab.formats import Format
+from fp4lab.quantize import _dequantize_blocks, _from_blocks, _quantize_blocks, validate
+
+__all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
+
+METRIC_NAMES = ("underflow", "underflow_all", "saturation", "rel_mse", "sqnr_db", "bad_scales")
+
+
+def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
+    """Underflow, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32)."""
+    x = x.astype(jnp.float32)
+    y = y.astype(jnp.float32)
+    nonzero = x != 0
+    flushed = jnp.sum(nonzero & (y == 0), dtype=jnp.float32)
+    signal = jnp.sum(jnp.square(x))
+    noise = jnp.sum(jnp.square(x - y))
+    return {
+        "underflow": flushed / jnp.maximum(jnp.sum(nonzero, dtype=jnp.float32), 1.0),
+        "underflow_all": flushed / max(x.size, 1),
+        "rel_mse": noise / signal,
+        "sqnr_db": 10.0 * (jnp.log10(signal) - jnp.log10(noise)),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding"))
+def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
+    if fmt.is_passthrough:
+        y = x.astype(fmt.element.storage)
+        zero = jnp.float32(0)
+        return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero}
+    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g)
+    saturated = _from_blocks(jnp.abs(b.v) > fmt.element.max, g)
+    return {
+        **error_metrics(x, y),
+        "saturation": jnp.mean(saturated, dtype=jnp.float32),
+        "bad_scales": jnp.mean(fmt.scaling.bad_scale(b.scale), dtype=jnp.float32),
+    }
+
+
+def quant_metrics(
+    x: jax.Array,
+    fmt: str | Format,
+    *,
+    axis: int = -1,
+    tile: tuple[int, int] | None = None,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    global_amax: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """Metrics (see module doc) of quantizing ``x`` to ``fmt``; arguments as ``quantize``."""
+    x, fmt, g, _ = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                            global_amax=global_amax)
+    out = _metrics(x, key, global_amax, fmt=fmt, g=g, rounding=rounding)
+    return {k: out[k] for k in METRIC_NAMES}

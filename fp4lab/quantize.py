@@ -1,0 +1,377 @@
+"""Quantize, dequantize and fake-quantize arrays in any fp4lab format.
+
+``quantize(x, fmt)`` returns a :class:`QArray` pytree (``data``, ``scale``, ``global_scale``;
+format, axis, tile and logical shape static). ``dequantize(q)`` inverts it and
+``fake_quant(x, fmt)`` equals ``dequantize(quantize(x))`` bit for bit, with a straight-through
+gradient. All three are pure, jit-compiled, and work under ``jit``, ``vmap`` and ``grad``.
+
+Geometry. Blocks run along ``axis`` (the GEMM's reduction axis). ``tile=(t0, t1)`` instead
+scales 2D tiles of the last two axes (NVFP4 16x16 weights, DeepSeek 128x128): quantizing
+``W.T`` with ``tile=(t1, t0)`` gives exactly the transpose of quantizing ``W``. A length that
+is not a multiple of the block is zero-padded internally (padding never changes an amax);
+``data`` and ``scale`` keep the padded layout and ``dequantize`` slices back to ``shape``.
+
+Storage. 4-bit elements (E2M1, INT4) are packed two per uint8 along ``axis``, element 2i in
+the low nibble; FP8 elements are float8 dtypes; INT8 is int8. Scales: E4M3 as float8_e4m3fn
+(NVFP4), E8M0 as its uint8 biased exponent (MX), float32 decode scales (FP8, INT), float16
+(GGML). For NVFP4 ``global_scale`` holds the float32 tensor amax, from which TE derives its
+two global factors (that is what TE stores too); it is ``None`` for other formats.
+
+Special values (choices where NUMERICS.md leaves one): see ``fp4lab.scaling`` per scheme.
+Zeros keep their sign where the element format has one (E2M1 code 0x8 is -0).
+
+Flush-to-zero. XLA:CPU flushes float32 subnormals (inputs and results of float ops), so an
+input below 2**-126 in magnitude counts as zero, and tensors whose amax is below ~1e-35 (where
+TE's NVFP4 ``S_dec`` or an MX descale becomes subnormal) follow the flushed arithmetic. Amaxes
+are taken on the bit patterns, so they are exact. For every tensor whose float32 intermediates
+stay normal the results equal the NUMERICS.md formulas exactly; tests cover both regimes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp4lab import rounding as rnd
+from fp4lab.formats import Format, get_format
+
+__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "validate"]
+
+Rounding = Literal["nearest", "stochastic"]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale", "global_scale"],
+    meta_fields=["format", "axis", "tile", "shape"],
+)
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantized array. ``data``/``scale`` are in the padded block layout (see module doc)."""
+
+    data: jax.Array
+    scale: jax.Array | None
+    global_scale: jax.Array | None
+    format: Format
+    axis: int
+    tile: tuple[int, int] | None
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        geo = f"tile={self.tile}" if self.tile else f"axis={self.axis}"
+        return f"QArray({self.format.name}, shape={self.shape}, {geo})"
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+class _Geometry(NamedTuple):
+    """Block layout: ``x`` (padded) is reshaped so block axis ``a`` becomes ``(n_a, b_a)``."""
+
+    shape: tuple[int, ...]  # logical
+    axes: tuple[int, ...]  # blocked axes of the logical array, ascending
+    block: tuple[int, ...]  # block size along each of ``axes``
+    per_tensor: bool = False  # one scale for everything (stored as a scalar)
+
+    @property
+    def padded(self) -> tuple[int, ...]:
+        out = list(self.shape)
+        for a, b in zip(self.axes, self.block):
+            out[a] = -(-out[a] // b) * b
+        return tuple(out)
+
+    @property
+    def blocked(self) -> tuple[int, ...]:
+        out = []
+        for i, n in enumerate(self.padded):
+            if i in self.axes:
+                b = self.block[self.axes.index(i)]
+                out += [n // b, b]
+            else:
+                out.append(n)
+        return tuple(out)
+
+    def inner(self, a: int) -> int:
+        """Position in the blocked layout of the within-block dim of logical axis ``a``."""
+        return a + sum(1 for x in self.axes if x <= a)
+
+    @property
+    def reduce_axes(self) -> tuple[int, ...]:
+        return tuple(self.inner(a) for a in self.axes)
+
+
+def _normalize_axis(axis: Any, shape) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    nd = len(shape)
+    if not -nd <= axis < nd:
+        raise ValueError(f"{axis=} out of range for shape {tuple(shape)}")
+    return axis % nd
+
+
+def _geometry(shape, fmt: Format, axis, tile) -> tuple[_Geometry, int]:
+    shape = tuple(int(s) for s in shape)
+    nd = len(shape)
+    if fmt.granularity in ("none", "tensor"):
+        if tile is not None:
+            raise ValueError(f"tile={tile} does not fit format {fmt.name}: it has "
+                             f"{fmt.granularity} granularity, not blocks")
+        ax = _normalize_axis(axis, shape) if nd else 0
+        if fmt.granularity == "none":
+            return _Geometry(shape, (), ()), ax
+        return _Geometry(shape, tuple(range(nd)), shape, per_tensor=True), ax
+    if nd == 0:
+        raise ValueError(f"format {fmt.name} scales along an axis; got a scalar")
+    ax = _normalize_axis(axis, shape)
+    if tile is None:
+        if fmt.granularity == "channel":
+            size = shape[ax] + (shape[ax] % 2 if fmt.element.packed else 0)
+            return _Geometry(shape, (ax,), (max(size, 1),)), ax
+        return _Geometry(shape, (ax,), (fmt.block,)), ax
+    if fmt.granularity != "block":
+        raise ValueError(f"tile={tile} does not fit format {fmt.name}: it has "
+                         f"{fmt.granularity} granularity")
+    if (not isinstance(tile, tuple) or len(tile) != 2
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)):
+        raise ValueError(f"tile={tile!r} must be a pair of positive ints such as (16, 16)")
+    if fmt.element.packed and tile[1] % 2:
+        raise ValueError(f"tile={tile} does not fit format {fmt.name}: 4-bit elements are "
+                         "packed in pairs along the last axis, so tile[1] must be even")
+    if nd < 2:
+        raise ValueError(f"tile={tile} needs an array with at least 2 dims, got shape {shape}")
+    if ax != nd - 1:
+        raise ValueError(f"with tile={tile} the tile covers the last two axes; {axis=} must "
+                         f"be -1 (or {nd - 1})")
+    return _Geometry(shape, (nd - 2, nd - 1), tile), ax
+
+
+def _to_blocks(x: jax.Array, g: _Geometry) -> jax.Array:
+    pad = [(0, p - s) for s, p in zip(g.shape, g.padded)]
+    if any(hi for _, hi in pad):
+        x = jnp.pad(x, pad)
+    return x.reshape(g.blocked)
+
+
+def _from_blocks(y: jax.Array, g: _Geometry) -> jax.Array:
+    y = y.reshape(g.padded)
+    if g.padded != g.shape:
+        y = y[tuple(slice(0, s) for s in g.shape)]
+    return y
+
+
+def _scale_to_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
+    """Stored scale -> keepdims shape broadcastable to the blocks."""
+    if g.per_tensor:
+        return scale.reshape((1,) * len(g.blocked))
+    return jnp.expand_dims(scale, g.reduce_axes)
+
+
+def _scale_from_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
+    """Keepdims block scale -> stored layout: block dims squeezed; a scalar per tensor."""
+    return scale.reshape(()) if g.per_tensor else jnp.squeeze(scale, g.reduce_axes)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global_amax=None):
+    """Check arguments and return ``(x, fmt, geometry, axis)``; raise a clear error otherwise."""
+    fmt = get_format(fmt)
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+    if isinstance(tile, list):
+        tile = tuple(tile)
+    g, ax = _geometry(x.shape, fmt, axis, tile)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"{rounding=} is not 'nearest' or 'stochastic'")
+    if rounding == "stochastic":
+        if key is None:
+            raise ValueError("rounding='stochastic' needs an explicit PRNG key: key=...")
+        if fmt.is_passthrough:
+            raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
+                             f"{fmt.name}")
+    if global_amax is not None and not (fmt.has_global_scale or fmt.granularity == "tensor"):
+        raise ValueError(f"global_amax given, but format {fmt.name} has no per-tensor scale")
+    return x, fmt, g, ax
+
+
+# --------------------------------------------------------------------------- core
+
+
+class _Blocks(NamedTuple):
+    v: jax.Array  # fl(x * multiplier), before rounding, blocked layout
+    q: jax.Array  # element values on the grid (float32), blocked layout
+    scale: jax.Array | None  # stored scale, keepdims (broadcastable to blocks)
+    tensor_amax: jax.Array | None
+
+
+def _quantize_blocks(x, fmt: Format, g: _Geometry, rounding, key, global_amax) -> _Blocks:
+    scheme, elem = fmt.scaling, fmt.element
+    xb = _to_blocks(x.astype(jnp.float32), g)
+    stat = scheme.statistic(xb, g.reduce_axes)
+    tensor_amax = None
+    if global_amax is not None:
+        global_amax = jnp.asarray(global_amax, jnp.float32)
+        if global_amax.ndim:
+            raise ValueError(f"global_amax must be a scalar, got shape {global_amax.shape}")
+    if scheme.uses_tensor_amax:
+        tensor_amax = global_amax if global_amax is not None else rnd.abs_max(stat)
+    elif global_amax is not None:  # per-tensor scaling with a given amax
+        stat = jnp.broadcast_to(global_amax, stat.shape)
+    scale, mult = scheme.encode(stat, tensor_amax, elem)
+    v = xb * mult
+    if rounding == "stochastic":
+        q = rnd.round_stochastic(v, elem, rnd.uniform(key, v.shape))
+        if elem.kind == "int":
+            q = jnp.where(q == 0, 0.0, q)  # integers have no -0
+    else:
+        q = scheme.round_nearest(v, elem)
+        if elem.kind == "int":
+            q = jnp.where(q == 0, 0.0, q)
+    return _Blocks(v, q, scale, tensor_amax)
+
+
+def _dequantize_blocks(q, scale, tensor_amax, fmt: Format) -> jax.Array:
+    y = q
+    for m in fmt.scaling.decode(scale, tensor_amax, fmt.element):
+        y = y * m
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "g", "ax", "rounding"))
+def _quantize(x, key, global_amax, *, fmt: Format, g: _Geometry, ax: int, rounding) -> QArray:
+    tile = g.block if len(g.axes) == 2 and fmt.granularity == "block" else None
+    if fmt.is_passthrough:
+        return QArray(x.astype(fmt.element.storage), None, None, fmt, ax, None, g.shape)
+    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    codes = rnd.encode(fmt.scaling.mask_codes(b.q, b.scale), fmt.element)
+    if fmt.element.packed:
+        codes = rnd.pack_nibbles(codes, g.inner(ax))
+        data_shape = list(g.padded)
+        data_shape[ax] //= 2
+        data = codes.reshape(data_shape)
+    else:
+        data = codes.reshape(g.padded)
+    scale = _scale_from_blocks(b.scale, g)
+    return QArray(data, scale, b.tensor_amax, fmt, ax, tile, g.shape)
+
+
+def quantize(
+    x: jax.Array,
+    fmt: str | Format,
+    *,
+    axis: int = -1,
+    tile: tuple[int, int] | None = None,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    global_amax: jax.Array | None = None,
+) -> QArray:
+    """Quantize ``x`` to ``fmt`` with blocks along ``axis`` (or 2D ``tile``s of the last two
+    axes).
+
+    Args:
+      x: floating-point array (bf16, fp16, fp32; float64 is rounded to float32 first).
+      fmt: a registry name (``fp4lab.formats.format_names()``) or a :class:`Format`.
+      axis: the block axis (the GEMM reduction axis); ignored for per-tensor formats.
+      tile: 2D tile shape for block formats, e.g. ``(16, 16)`` for NVFP4 weights.
+      rounding: ``"nearest"`` (ties to even, saturating) or ``"stochastic"``.
+      key: ``jax.random`` key, required for stochastic rounding. The same key gives the same
+        bits.
+      global_amax: use this per-tensor amax instead of ``max|x|`` (NVFP4's global scale; the
+        amax of per-tensor FP8): e.g. a shared amax, or one from a previous step.
+    """
+    x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                             global_amax=global_amax)
+    return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize(q: QArray, dtype) -> jax.Array:
+    fmt = q.format
+    if fmt.is_passthrough:
+        return q.data.astype(dtype)
+    g, _ = _geometry(q.shape, fmt, q.axis, q.tile)
+    data = q.data
+    if fmt.element.packed:
+        data = rnd.unpack_nibbles(data, q.axis)
+    vals = rnd.decode(data, fmt.element).reshape(g.blocked)
+    y = _dequantize_blocks(vals, _scale_to_blocks(q.scale, g), q.global_scale, fmt)
+    return _from_blocks(y, g).astype(dtype)
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+    """Return the values ``q`` represents, in ``dtype`` (float32 by default)."""
+    if not isinstance(q, QArray):
+        raise TypeError(f"dequantize needs a QArray, got {type(q).__name__}")
+    return _dequantize(q, jnp.dtype(dtype))
+
+
+# --------------------------------------------------------------------------- fake quant
+
+
+def _fake_quant_values(x, key, global_amax, fmt, g, rounding):
+    """(dequantized values in x.dtype, saturation mask) without materializing codes."""
+    if fmt.is_passthrough:
+        y = x.astype(fmt.element.storage).astype(x.dtype)
+        return y, jnp.ones(x.shape, bool)
+    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g).astype(x.dtype)
+    inside = _from_blocks(jnp.abs(b.v) <= fmt.element.max, g)
+    return y, inside
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fake_quant_ste(x, key, global_amax, fmt, g, rounding, mask_saturated):
+    return _fake_quant_values(x, key, global_amax, fmt, g, rounding)[0]
+
+
+def _fq_fwd(x, key, global_amax, fmt, g, rounding, mask_saturated):
+    y, inside = _fake_quant_values(x, key, global_amax, fmt, g, rounding)
+    return y, (inside if mask_saturated else None)
+
+
+def _fq_bwd(fmt, g, rounding, mask_saturated, inside, dy):
+    dx = jnp.where(inside, dy, jnp.zeros_like(dy)) if mask_saturated else dy
+    return dx, None, None
+
+
+_fake_quant_ste.defvjp(_fq_fwd, _fq_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding", "mask_saturated"))
+def _fake_quant(x, key, global_amax, *, fmt, g, rounding, mask_saturated):
+    return _fake_quant_ste(x, key, global_amax, fmt, g, rounding, mask_saturated)
+
+
+def fake_quant(
+    x: jax.Array,
+    fmt: str | Format,
+    *,
+    axis: int = -1,
+    tile: tuple[int, int] | None = None,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    global_amax: jax.Array | None = None,
+    mask_saturated: bool = False,
+) -> jax.Array:
+    """``dequantize(quantize(x, ...))`` in ``x.dtype``, bit for bit, without storing codes;
+    its gradient is straight-through (identity), or, with ``mask_saturated=True``, zero where
+    the scaled input exceeded the element format's max (was clipped). Arguments as
+    :func:`quantize`."""
+    x, fmt, g, _ = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                            global_amax=global_amax)
+    return _fake_quant(x, key, global_amax, fmt=fmt, g=g, rounding=rounding,
+                       mask_saturated=bool(mask_saturated))

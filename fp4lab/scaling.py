@@ -1,0 +1,240 @@
+"""Scale schemes: how a block's statistics become a stored scale and element multipliers.
+
+A scheme is a small frozen dataclass with four operations, all on float32 arrays shaped like
+the blocks (one entry per block, broadcastable against the elements):
+
+* ``statistic(xb, axes)``: the block statistic (``max |x|`` by default).
+* ``encode(stat, tensor_amax, element) -> (stored_scale, multiplier)``: the scale as stored
+  (E4M3, E8M0 byte, float32, float16) and the float32 multiplier applied to the elements
+  before rounding (``v = fl(x * multiplier)``).
+* ``decode(stored_scale, tensor_amax, element) -> tuple of multipliers``: dequantization is
+  ``q * m1 (* m2)``, applied in that order (two factors where one could leave float32's
+  normal range).
+* ``round_nearest(v, element)``: the element rounding (RNE by default; GGML's own rules for
+  its formats).
+
+The arithmetic is written exactly as shared/NUMERICS.md states it, one float32 operation per
+``fl()``, in the order given there. On XLA:CPU float32 subnormals are flushed to zero
+(inputs and results): values and intermediates below 2**-126 in magnitude count as zero.
+That matters only for tensors or blocks whose amax is below ~1e-35; see NUMERICS notes in
+``fp4lab.quantize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4lab import rounding
+
+__all__ = [
+    "ScaleScheme",
+    "NoScale",
+    "AbsMaxScale",
+    "NVFP4Scale",
+    "PowerOfTwoScale",
+    "GGMLQ4_0Scale",
+    "GGMLQ8_0Scale",
+]
+
+F32 = np.float32
+FLT_MAX = F32(np.finfo(np.float32).max)
+
+
+def _f32_div(a: float, b: float) -> np.float32:
+    """fl(a / b) as a float32 division (not a float64 division rounded twice)."""
+    return F32(a) / F32(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleScheme:
+    """Base class; see the module docstring."""
+
+    scale_dtype = "float32"  # how the scale is stored
+    scale_bits = 32
+    uses_tensor_amax = False  # True when a per-tensor amax enters the block scales (NVFP4)
+
+    def statistic(self, xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+        return rounding.abs_max(xb, axis=axes, keepdims=True)
+
+    def encode(self, stat, tensor_amax, element):
+        raise NotImplementedError
+
+    def decode(self, scale, tensor_amax, element) -> tuple[jax.Array, ...]:
+        raise NotImplementedError
+
+    def round_nearest(self, v, element):
+        return rounding.round_nearest(v, element)
+
+    def bad_scale(self, scale) -> jax.Array:
+        """Per block: True where the stored scale is zero or subnormal (scale health)."""
+        s = scale.astype(jnp.float32)
+        return jnp.abs(s) < float(jnp.finfo(self.scale_dtype).smallest_normal)
+
+    def mask_codes(self, q, scale):
+        """Hook to override element values in special blocks before they are encoded."""
+        return q
+
+
+@dataclasses.dataclass(frozen=True)
+class NoScale(ScaleScheme):
+    """Pass-through casts (BF16/FP16/FP32): no scale."""
+
+    scale_bits = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsMaxScale(ScaleScheme):
+    """Current (abs-max) scaling with a float32 scale, per tensor, channel or block.
+
+    ``scale = fl(max_elem / amax)`` (1 when amax is 0 or inf; NaN amax gives a NaN scale),
+    elements ``fl(x * scale)``; the stored scale is the decode scale ``fl(1 / scale)`` (TE's
+    ``scale_inv``), so dequantization is ``q * scale_inv``. Used by FP8 per-tensor (TE current
+    scaling), DeepSeek-V3 style 1x128 / 128x128 FP8 and symmetric INT8/INT4."""
+
+    def encode(self, stat, tensor_amax, element):
+        scale = F32(element.max) / stat
+        scale = jnp.where((stat == 0) | jnp.isinf(stat), F32(1), scale)
+        return F32(1) / scale, scale
+
+    def decode(self, scale, tensor_amax, element):
+        return (scale,)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Scale(ScaleScheme):
+    """NVFP4 two-level scaling, bit-exact with Transformer Engine (NUMERICS.md)::
+
+        S_enc = min(fl(2688 / amax), FLT_MAX); S_enc = 1 if amax == 0 or S_enc == 0
+        S_dec = fl(1 / S_enc)
+        s_b   = e4m3_satfinite(min(fl(bamax * fl(S_enc * fl(1/6))), FLT_MAX))
+        enc_b = min(fl(1 / fl(s_b * S_dec)), FLT_MAX)
+        y     = q * fl(fl(s_b * amax) * fl(1/2688))      (q * s_b when amax == 0)
+
+    NaN anywhere in the tensor makes amax NaN, every block scale the E4M3 NaN (0x7F) and the
+    whole tensor dequantize to NaN: a NaN never disappears silently. An infinity makes amax
+    inf, so S_enc = 1, its block scale saturates to 448 and dequantization gives inf/NaN.
+    """
+
+    scale_dtype = "float8_e4m3fn"
+    scale_bits = 8
+    uses_tensor_amax = True
+
+    def encode(self, stat, tensor_amax, element):
+        s_enc = jnp.minimum(F32(2688) / tensor_amax, FLT_MAX)
+        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        s_dec = F32(1) / s_enc
+        s_b = jnp.minimum(stat * (s_enc * _f32_div(1, 6)), FLT_MAX)
+        s_b = jnp.minimum(s_b, F32(448)).astype(jnp.float8_e4m3fn)
+        enc = jnp.minimum(F32(1) / (s_b.astype(jnp.float32) * s_dec), FLT_MAX)
+        return s_b, enc
+
+    def decode(self, scale, tensor_amax, element):
+        s = scale.astype(jnp.float32)
+        m = (s * tensor_amax) * _f32_div(1, 2688)
+        return (jnp.where(tensor_amax == 0, s, m),)
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerOfTwoScale(ScaleScheme):
+    """MX (OCP Microscaling) E8M0 block scales, stored as the biased exponent byte.
+
+    ``rceil`` (default; TE MXFP8, torchao RCEIL): ``e = ceil(log2(fl(amax * fl(1/max))))``
+    from the float32 bits; ``floor`` (OCP, torchao FLOOR): ``e = floor(log2(amax)) - emax``.
+    Both clamped to [-127, 127]; amax = 0 gives e = -127. A block holding NaN or Inf gets the
+    NaN byte 0xFF and zero codes; it dequantizes to NaN.
+    """
+
+    mode: Literal["rceil", "floor"] = "rceil"
+    scale_dtype = "uint8"
+    scale_bits = 8
+
+    def __post_init__(self):
+        if self.mode not in ("rceil", "floor"):
+            raise ValueError(f"unknown MX scale mode {self.mode!r}; use 'rceil' or 'floor'")
+
+    def exponent(self, stat, element):
+        if self.mode == "rceil":
+            d = stat * _f32_div(1, element.max)
+            bits = rounding.float_bits(d)
+            e_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+            mant = bits & 0x7FFFFF
+            normal = e_field - 127 + (mant != 0).astype(jnp.int32)
+            sub = jnp.where(bits <= 0x00400000, -127, -126)  # d <= 2**-127 rounds to -127
+            e = jnp.where(e_field > 0, normal, sub)
+        else:
+            emax = int(np.floor(np.log2(element.max)))
+            e = rounding.exponent(stat) - emax
+        return jnp.clip(e, -127, 127)
+
+    def encode(self, stat, tensor_amax, element):
+        finite = jnp.isfinite(stat)
+        e = self.exponent(stat, element)
+        byte = jnp.where(finite, e + 127, 255).astype(jnp.uint8)
+        mult = jnp.where(finite, rounding.pow2(jnp.clip(-e, -126, 127)), 0.0)
+        return byte, mult
+
+    def decode(self, scale, tensor_amax, element):
+        e = scale.astype(jnp.int32) - 127
+        hi = e >> 1  # floor(e / 2): both factors stay normal floats for e in [-127, 127]
+        m1 = jnp.where(scale == 255, jnp.nan, rounding.pow2(hi))
+        return (m1, rounding.pow2(e - hi))
+
+    def mask_codes(self, q, scale):
+        return jnp.where(scale == 255, 0.0, q)  # NaN blocks store zero codes
+
+    def bad_scale(self, scale):
+        return scale == 0  # 2**-127: the exponent clamped at the bottom of E8M0's range
+
+
+@dataclasses.dataclass(frozen=True)
+class GGMLQ4_0Scale(ScaleScheme):
+    """GGML Q4_0 (as used for Gemma-style QAT checkpoints): per 32-block, ``m`` = the signed
+    value of largest magnitude (first on ties), ``d = fl(m / -8)``, ``id = fl(1/d)`` (0 when
+    d = 0), ``q = min(15, floor(fl(fl(x * id) + 8.5))) - 8`` in [-8, 7], ``d`` stored as
+    float16; dequantize ``q * d``. Matches GGML's arithmetic (values and scales), with our
+    packing (two's complement nibbles, element 2i low) rather than GGML's byte layout."""
+
+    scale_dtype = "float16"
+    scale_bits = 16
+
+    def statistic(self, xb, axes):
+        (axis,) = axes
+        idx = jnp.argmax(jnp.abs(xb), axis=axis, keepdims=True)  # first max; NaN wins
+        return jnp.take_along_axis(xb, idx, axis=axis)
+
+    def encode(self, stat, tensor_amax, element):
+        d = stat / F32(-8)
+        inv = jnp.where(d != 0, F32(1) / d, F32(0))
+        return d.astype(jnp.float16), inv
+
+    def decode(self, scale, tensor_amax, element):
+        return (scale.astype(jnp.float32),)
+
+    def round_nearest(self, v, element):
+        return jnp.minimum(jnp.floor(v + F32(8.5)), F32(15)) - F32(8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGMLQ8_0Scale(ScaleScheme):
+    """GGML Q8_0: per 32-block ``d = fl(amax / 127)``, ``id = fl(1/d)`` (0 when d = 0),
+    ``q = roundf(fl(x * id))`` (half away from zero), ``d`` stored as float16."""
+
+    scale_dtype = "float16"
+    scale_bits = 16
+
+    def encode(self, stat, tensor_amax, element):
+        d = stat / F32(127)
+        inv = jnp.where(d != 0, F32(1) / d, F32(0))
+        return d.astype(jnp.float16), inv
+
+    def decode(self, scale, tensor_amax, element):
+        return (scale.astype(jnp.float32),)
+
+    def round_nearest(self, v, element):
+        r = jax.lax.round(v, jax.lax.RoundingMethod.AWAY_FROM_ZERO)
+        return jnp.clip(r, -element.max, element.max)
