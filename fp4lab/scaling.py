@@ -91,13 +91,15 @@ class NoScale(ScaleScheme):
 class AbsMaxScale(ScaleScheme):
     """Current (abs-max) scaling with a float32 scale, per tensor, channel or block.
 
-    ``scale = fl(max_elem / amax)`` (1 when amax is 0 or inf; NaN amax gives a NaN scale),
+    ``scale = min(fl(max_elem / amax), FLT_MAX)`` (1 when amax is 0 or inf; NaN amax gives a
+    NaN scale, poisoning the tensor as NVFP4 does; the clamp, as in TE, keeps a tiny amax from
+    giving an infinite scale and 0 * inf = NaN),
     elements ``fl(x * scale)``; the stored scale is the decode scale ``fl(1 / scale)`` (TE's
     ``scale_inv``), so dequantization is ``q * scale_inv``. Used by FP8 per-tensor (TE current
     scaling), DeepSeek-V3 style 1x128 / 128x128 FP8 and symmetric INT8/INT4."""
 
     def encode(self, stat, tensor_amax, element):
-        scale = F32(element.max) / stat
+        scale = jnp.minimum(F32(element.max) / stat, FLT_MAX)
         scale = jnp.where((stat == 0) | jnp.isinf(stat), F32(1), scale)
         return F32(1) / scale, scale
 

@@ -1,0 +1,516 @@
+"""fp4lab.quantize against the independent NumPy oracle (tests/numpy_ref.py), bit for bit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import numpy_ref as ref
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fp4lab
+from fp4lab import rounding
+
+F32 = np.float32
+NAN, INF = F32(np.nan), F32(np.inf)
+
+
+# ------------------------------------------------------------------ data
+
+
+def bf16_values(x):
+    """float32 array holding exactly the BF16 rounding of x."""
+    return np.asarray(x, F32).astype(ml_dtypes.bfloat16).astype(F32)
+
+
+def wide_range(seed, shape, lo=-40, hi=40, dtype="bf16"):
+    """Random signs, exponents uniform in [lo, hi), BF16 or FP32 mantissas."""
+    rng = np.random.default_rng(seed)
+    mbits = 7 if dtype == "bf16" else 23
+    mant = rng.integers(0, 2**mbits, shape) / 2**mbits
+    x = rng.choice([-1.0, 1.0], shape) * (1 + mant) * np.exp2(rng.integers(lo, hi, shape))
+    return x.astype(F32)
+
+
+def heavy_tailed(seed, shape, dtype="bf16"):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(1.5, shape).astype(F32) * F32(0.02)
+    return bf16_values(x) if dtype == "bf16" else x
+
+
+def as_input(x, dtype):
+    return jnp.asarray(x.astype(ml_dtypes.bfloat16) if dtype == "bf16" else x)
+
+
+CASES = [
+    ("bf16-wide", lambda: wide_range(0, (24, 64))),
+    ("bf16-narrow", lambda: wide_range(1, (24, 64), -3, 3)),
+    ("bf16-heavy", lambda: heavy_tailed(2, (24, 64))),
+    ("fp32-wide", lambda: wide_range(3, (24, 64), dtype="fp32")),
+    ("fp32-heavy", lambda: heavy_tailed(4, (24, 64), dtype="fp32")),
+]
+
+
+@functools.cache
+def case(name):
+    return dict(CASES)[name]()
+
+
+def input_dtype(name):
+    return "bf16" if name.startswith("bf16") else "fp32"
+
+
+def codes_of(q):
+    """Unpacked element codes of a QArray as a uint8 NumPy array (padded layout)."""
+    data = q.data
+    if q.format.element.packed:
+        data = rounding.unpack_nibbles(data, q.axis)
+    data = np.asarray(data)
+    return data.view(np.uint8) if data.dtype.itemsize == 1 else data
+
+
+def scale_bytes(q):
+    """The stored scales' bit patterns (uint8 for E4M3/E8M0, uint32 for float32 scales)."""
+    s = np.asarray(q.scale)
+    return s.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[s.dtype.itemsize])
+
+
+def same_bits(a, b):
+    """Bitwise equality of float arrays, treating all NaNs as equal."""
+    a, b = np.asarray(a, F32), np.asarray(b, F32)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    np.testing.assert_array_equal(nan_a, nan_b)
+    ai, bi = a.view(np.uint32), b.view(np.uint32)
+    bad = (ai != bi) & ~nan_a
+    assert not bad.any(), f"{bad.sum()} mismatches, first at {np.argwhere(bad)[:3].tolist()}: " \
+        f"{a[bad][:3]} vs {b[bad][:3]}"
+
+
+def check_fake_quant_matches(x, fmt, **kw):
+    """fake_quant == dequantize(quantize(x)) in x's dtype, bit for bit."""
+    y1 = fp4lab.fake_quant(x, fmt, **kw)
+    y2 = fp4lab.dequantize(fp4lab.quantize(x, fmt, **kw), x.dtype)
+    same_bits(np.asarray(y1, F32), np.asarray(y2, F32))
+
+
+# ------------------------------------------------------------------ NVFP4
+
+
+def check_nvfp4(x, *, tile=None, ftz=False, dtype="fp32", global_amax=None):
+    xin = as_input(x, dtype)
+    q = fp4lab.quantize(xin, "nvfp4", tile=tile, global_amax=global_amax)
+    block = tile or (1, 16)
+    codes, sb, amax = ref.nvfp4_quantize(x, block_shape=block, amax=global_amax, ftz=ftz)
+    np.testing.assert_array_equal(codes_of(q), codes)
+    np.testing.assert_array_equal(scale_bytes(q), sb)
+    same_bits(q.global_scale, amax)
+    same_bits(fp4lab.dequantize(q), ref.nvfp4_dequantize(codes, sb, amax, block, ftz=ftz))
+    check_fake_quant_matches(xin, "nvfp4", tile=tile, global_amax=global_amax)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+@pytest.mark.parametrize("tile", [None, (16, 16)])
+def test_nvfp4_random(name, tile):
+    x = case(name)
+    check_nvfp4(x[:16] if tile else x, tile=tile, dtype=input_dtype(name))
+
+
+def test_nvfp4_te_discriminating_vectors():
+    bf = lambda bits: np.array([bits << 16], np.uint32).view(F32)[0]  # noqa: E731
+    x = np.zeros((3, 16), F32)
+    x[0, 0], x[1, 0] = bf(0x402F), bf(0x4044)  # tensor amax 3.0625, block amax 2.734375
+    q = fp4lab.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4")
+    assert scale_bytes(q)[0, 0] == 0x7D  # TE stores 416 (a pure-JAX order stores 384)
+    check_nvfp4(x, dtype="bf16")
+
+    x = np.zeros((1, 16), F32)
+    x[0, :2] = bf(0x4027), bf(0x3EA7)  # tensor amax 2.609375, block scale 448
+    q = fp4lab.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4")
+    assert scale_bytes(q)[0, 0] == 0x7E and codes_of(q)[0, 1] == 1  # TE: 0.5 (jax.nn: 1.0)
+    check_nvfp4(x, dtype="bf16")
+
+    x = np.zeros((2, 16), F32)
+    x[0, :2] = bf(0x3FA7), bf(0xBEC6)
+    x[1, 0] = bf(0xC046)  # tensor amax 3.09375 (negative)
+    q = fp4lab.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4")
+    assert fp4lab.dequantize(q)[0, 1] < 0 and codes_of(q)[0, 1] == 0xC  # TE: -2.0
+    check_nvfp4(x, dtype="bf16")
+
+
+def test_nvfp4_zero_blocks_and_all_zero_tensor():
+    x = np.zeros((2, 32), F32)
+    x[0, :16] = np.linspace(-3, 3, 16, dtype=F32)
+    check_nvfp4(x)
+    q = fp4lab.quantize(jnp.asarray(x), "nvfp4")
+    assert scale_bytes(q)[0, 1] == 0 and not codes_of(q)[0, 16:].any()
+    z = np.zeros((4, 32), F32)
+    check_nvfp4(z)
+    q = fp4lab.quantize(jnp.asarray(z), "nvfp4")
+    assert not np.asarray(q.data).any() and not scale_bytes(q).any()
+    assert not np.asarray(fp4lab.dequantize(q)).any()
+
+
+def test_nvfp4_extremes_max_and_subnormal_scales():
+    x = wide_range(5, (8, 32), -10, 10)
+    x[0, 0] = np.finfo(F32).max  # the largest float32: S_enc is tiny but normal
+    x[1, 0] = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    check_nvfp4(x)
+    # Blocks far below the tensor amax get subnormal E4M3 scales (byte exponent field 0).
+    y = wide_range(6, (8, 32), -30, -20)
+    y[0, 0] = 1e4
+    check_nvfp4(y)
+    sb = scale_bytes(fp4lab.quantize(jnp.asarray(y), "nvfp4"))
+    assert ((sb & 0x78) == 0).sum() > 4
+
+
+def test_nvfp4_nan_and_inf():
+    x = wide_range(7, (4, 32), -3, 3)
+    xi = x.copy()
+    xi[1, 3] = INF
+    check_nvfp4(xi)
+    xn = x.copy()
+    xn[2, 5] = NAN
+    check_nvfp4(xn)
+    y = np.asarray(fp4lab.fake_quant(jnp.asarray(xn), "nvfp4"))
+    assert np.isnan(y).all()  # a NaN poisons the tensor: it never vanishes silently
+
+
+def test_nvfp4_global_amax_argument():
+    x = wide_range(8, (4, 32), -3, 3)
+    check_nvfp4(x, global_amax=F32(100.0))
+    check_nvfp4(x, global_amax=F32(1.0))  # smaller than max|x|: saturates
+
+
+def test_nvfp4_flush_to_zero_regime():
+    """Tensors whose amax is below ~1e-35 follow XLA:CPU's flushed arithmetic (documented)."""
+    x = wide_range(9, (4, 32), -130, -120)  # includes float32 subnormals
+    x[0, 0] = F32(1e-37)
+    if jax.default_backend() == "cpu":
+        check_nvfp4(x, ftz=True)
+    else:
+        check_nvfp4(x, ftz=False)
+
+
+# ------------------------------------------------------------------ MX
+
+
+MX = [("mxfp8", "e4m3", "rceil"), ("mxfp8_e5m2", "e5m2", "rceil"), ("mxfp4", "e2m1", "rceil"),
+      ("mxfp8_floor", "e4m3", "floor"), ("mxfp8_e5m2_floor", "e5m2", "floor"),
+      ("mxfp4_floor", "e2m1", "floor")]
+
+
+def check_mx(x, fmt, elem, mode, dtype="fp32", ftz=False):
+    xin = as_input(x, dtype)
+    q = fp4lab.quantize(xin, fmt)
+    codes, sb = ref.mx_quantize(x, elem, mode, ftz=ftz)
+    np.testing.assert_array_equal(codes_of(q), codes)
+    np.testing.assert_array_equal(scale_bytes(q), sb)
+    same_bits(fp4lab.dequantize(q), ref.mx_dequantize(codes, sb, elem, ftz=ftz))
+    check_fake_quant_matches(xin, fmt)
+
+
+@pytest.mark.parametrize("fmt,elem,mode", MX)
+@pytest.mark.parametrize("name", ["bf16-wide", "bf16-heavy", "fp32-wide"])
+def test_mx_random(fmt, elem, mode, name):
+    check_mx(case(name), fmt, elem, mode, input_dtype(name))
+
+
+@pytest.mark.parametrize("fmt,elem,mode", MX)
+def test_mx_special_blocks(fmt, elem, mode):
+    x = wide_range(10, (6, 64), -5, 5)
+    x[0, :32] = 0  # zero block
+    x[1, 3] = NAN  # NaN block
+    x[2, 40] = -INF  # Inf block
+    x[3, :32] *= F32(2.0**-120)  # tiny block: exponent clamps at -127
+    x[4, 33] = np.finfo(F32).max  # largest amax
+    check_mx(x, fmt, elem, mode)
+    q = fp4lab.quantize(jnp.asarray(x), fmt)
+    assert scale_bytes(q)[1, 0] == 0xFF and scale_bytes(q)[2, 1] == 0xFF
+    assert scale_bytes(q)[0, 0] == 0 and not codes_of(q)[0, :32].any()
+    y = np.asarray(fp4lab.dequantize(q))
+    assert np.isnan(y[1, :32]).all() and np.isnan(y[2, 32:]).all()
+
+
+def test_mx_rceil_and_floor_differ():
+    x = wide_range(11, (16, 64), -3, 3)
+    a = scale_bytes(fp4lab.quantize(jnp.asarray(x), "mxfp8"))
+    b = scale_bytes(fp4lab.quantize(jnp.asarray(x), "mxfp8_floor"))
+    assert (a != b).mean() > 0.2
+
+
+# ------------------------------------------------------------------ FP8, INT, GGML
+
+
+@pytest.mark.parametrize("fmt,elem", [("fp8_e4m3", "e4m3"), ("fp8_e5m2", "e5m2")])
+@pytest.mark.parametrize("name", ["bf16-wide", "bf16-heavy", "fp32-wide"])
+def test_fp8_per_tensor(fmt, elem, name):
+    x = case(name)
+    xin = as_input(x, input_dtype(name))
+    q = fp4lab.quantize(xin, fmt)
+    codes, _, scale_inv = ref.fp8_tensor_quantize(x, elem)
+    np.testing.assert_array_equal(codes_of(q), codes)
+    same_bits(q.scale, scale_inv)
+    same_bits(fp4lab.dequantize(q), ref.fp8_tensor_dequantize(codes, scale_inv, elem))
+    check_fake_quant_matches(xin, fmt)
+    # a given amax (e.g. from a history) replaces max|x|
+    q = fp4lab.quantize(xin, fmt, global_amax=F32(3.0))
+    codes, _, scale_inv = ref.fp8_tensor_quantize(x, elem, amax=F32(3.0))
+    np.testing.assert_array_equal(codes_of(q), codes)
+
+
+def test_fp8_per_tensor_special_values():
+    x = wide_range(12, (4, 16), -3, 3)
+    for v in (INF, NAN):
+        xs = x.copy()
+        xs[1, 1] = v
+        q = fp4lab.quantize(jnp.asarray(xs), "fp8_e4m3")
+        codes, _, scale_inv = ref.fp8_tensor_quantize(xs, "e4m3")
+        same_bits(fp4lab.dequantize(q), ref.fp8_tensor_dequantize(codes, scale_inv, "e4m3"))
+    tiny = np.full((2, 4), F32(1e-30))  # max/amax overflows: the scale clamps to FLT_MAX
+    tiny[0, 0] = 0
+    q = fp4lab.quantize(jnp.asarray(tiny), "fp8_e4m3")
+    assert not np.isnan(np.asarray(fp4lab.dequantize(q))).any()
+
+
+@pytest.mark.parametrize("tile", [None, (128, 128)])
+def test_fp8_block128(tile):
+    x = wide_range(13, (256, 256), -8, 8)
+    x[:128, :128] *= F32(1e-3)
+    q = fp4lab.quantize(jnp.asarray(x), "fp8_block128", tile=tile)
+    codes, _, scale_inv = ref.fp8_block_quantize(x, tile or (1, 128), "e4m3")
+    np.testing.assert_array_equal(codes_of(q), codes)
+    same_bits(q.scale, scale_inv)
+    same_bits(fp4lab.dequantize(q), ref.fp8_block_dequantize(codes, scale_inv, tile or (1, 128)))
+
+
+@pytest.mark.parametrize("fmt,bits", [("int8", 8), ("int4", 4)])
+def test_int_per_channel(fmt, bits):
+    x = wide_range(14, (8, 64), -6, 6)
+    x[3] = 0
+    q = fp4lab.quantize(jnp.asarray(x), fmt)
+    qi, scale_inv = ref.int_quantize(x, bits)
+    codes = codes_of(q)
+    if bits == 4:
+        codes = ((codes.astype(np.int16) ^ 8) - 8).astype(np.int8)  # nibble -> signed
+    np.testing.assert_array_equal(codes.view(np.int8), qi)
+    same_bits(q.scale, scale_inv)
+    same_bits(fp4lab.dequantize(q), ref.int_dequantize(qi, scale_inv))
+    check_fake_quant_matches(jnp.asarray(x), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int4_q4_0", "int8_q8_0"])
+def test_ggml(fmt):
+    x = wide_range(15, (8, 64), -6, 6)
+    x[0, :32] = 0
+    x[1, 0], x[1, 5] = 3.0, -3.0  # tie on |max|: the first wins
+    x[2, 7] = NAN
+    quant, dequant = {"int4_q4_0": (ref.q4_0_quantize, ref.q4_0_dequantize),
+                      "int8_q8_0": (ref.q8_0_quantize, ref.q8_0_dequantize)}[fmt]
+    q = fp4lab.quantize(jnp.asarray(x), fmt)
+    qi, d_bits = quant(x)
+    codes = codes_of(q)
+    if fmt == "int4_q4_0":
+        codes = ((codes.astype(np.int16) ^ 8) - 8).astype(np.int8)
+    np.testing.assert_array_equal(codes.view(np.int8), qi)
+    np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint16), d_bits)
+    same_bits(fp4lab.dequantize(q), dequant(qi, d_bits))
+    check_fake_quant_matches(jnp.asarray(x), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
+def test_passthrough(fmt):
+    x = jnp.asarray(wide_range(16, (4, 8), -20, 20, dtype="fp32"))
+    q = fp4lab.quantize(x, fmt)
+    assert q.scale is None and q.data.dtype == jnp.dtype(fmt.replace("fp", "float")
+                                                          .replace("bf16", "bfloat16"))
+    with np.errstate(over="ignore"):  # fp16 overflows to inf, as the cast should
+        same_bits(fp4lab.dequantize(q), np.asarray(x).astype(q.data.dtype).astype(F32))
+
+
+# ------------------------------------------------------------------ elements, exhaustively
+
+
+def _probe_values(elem):
+    """Every grid value, every midpoint (tie), their float32 neighbours, specials."""
+    grid = np.array(fp4lab.ELEMENTS[elem].grid(), np.float64)
+    mids = (grid[:-1] + grid[1:]) / 2
+    pts = np.concatenate([grid, mids, [grid[-1] * 1.01, grid[-1] * 4, 1e30]]).astype(F32)
+    pts = np.concatenate([pts, np.nextafter(pts, F32(np.inf)), np.nextafter(pts, F32(0))])
+    pts = np.concatenate([pts, -pts, [0.0, -0.0, np.inf, -np.inf]]).astype(F32)
+    return pts
+
+
+@pytest.mark.parametrize("elem", ["e2m1", "e4m3", "e5m2"])
+def test_every_code_and_every_tie(elem):
+    fmt = fp4lab.ELEMENTS[elem]
+    v = _probe_values(elem)
+    q = rounding.round_nearest(jnp.asarray(v), fmt)
+    codes = np.asarray(rounding.encode(q, fmt))
+    codes = codes.view(np.uint8) if codes.dtype.itemsize == 1 else codes
+    np.testing.assert_array_equal(codes, ref.elem_encode(v, elem))
+    same_bits(q, ref.elem_decode(ref.elem_encode(v, elem), elem))
+    # decode is the inverse for every code
+    all_codes = np.arange(16 if fmt.packed else 256, dtype=np.uint8)
+    stored = all_codes if fmt.packed else all_codes.view(fmt.storage)
+    same_bits(rounding.decode(jnp.asarray(stored), fmt), ref.elem_decode(all_codes, elem))
+
+
+def test_e2m1_ties_from_numerics():
+    v = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 7.0, -0.1], F32)
+    got = np.asarray(rounding.round_nearest(v, fp4lab.ELEMENTS["e2m1"]))
+    np.testing.assert_array_equal(got, [0, 1, 1, 2, 2, 4, 4, 6, 6, -0.0])
+    assert np.signbit(got[-1])
+
+
+# ------------------------------------------------------------------ stochastic rounding
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "int4"])
+def test_stochastic_rounding_is_unbiased(fmt):
+    """The mean of n draws is within 6 standard errors of the input, for every element."""
+    x = jnp.asarray(wide_range(17, (2, 32), -2, 2))
+    n = 2000
+    keys = jax.random.split(jax.random.key(0), n)
+    draws = jax.vmap(lambda k: fp4lab.fake_quant(x, fmt, rounding="stochastic", key=k,
+                                                 global_amax=F32(4.0) if fmt == "nvfp4"
+                                                 else None))(keys)
+    draws = np.asarray(draws, np.float64)
+    mean, sd = draws.mean(0), draws.std(0)
+    # For a fixed scale E[SR(v)] = v, so the mean converges to x up to the rounding of the
+    # scale product (a few ulps) and sd/sqrt(n); elements on the grid have sd = 0. Block
+    # maxima are left out: a block scale that rounds down can push |v| past the element max,
+    # where the value saturates (unbiasedness holds for |v| <= max, NUMERICS.md).
+    xa = np.abs(np.asarray(x, np.float64))
+    inside = xa < 0.9 * xa.reshape(2, 2, 16).max(-1, keepdims=True).repeat(16, -1).reshape(2, 32)
+    err = np.abs(mean - np.asarray(x, np.float64))
+    ok = err <= 6 * sd / np.sqrt(n) + 1e-6 * xa
+    assert ok[inside].all(), err[inside & ~ok]
+    assert (sd > 0).mean() > 0.5  # most elements really are rounded randomly
+
+
+def test_stochastic_rounding_matches_neighbour_probabilities():
+    v = np.array([0.3, 1.1, 2.6, 4.9, 5.999], F32)
+    lo, hi, p = ref.stochastic_round_grid_probs(v, "e2m1")
+    n = 20000
+    u = jax.random.uniform(jax.random.key(1), (n, v.size))
+    r = np.asarray(rounding.round_stochastic(jnp.asarray(v)[None], fp4lab.ELEMENTS["e2m1"], u))
+    assert set(np.unique(r)) <= set(np.concatenate([lo, hi]).tolist())
+    frac_up = (r == hi[None]).mean(0)
+    assert np.all(np.abs(frac_up - p) < 5 * np.sqrt(p * (1 - p) / n) + 1e-9)
+
+
+def test_stochastic_rounding_deterministic_per_key():
+    x = jnp.asarray(wide_range(18, (4, 64), -3, 3))
+    a = fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.key(3))
+    b = fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.key(3))
+    c = fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    assert (np.asarray(a.data) != np.asarray(c.data)).any()
+    check_fake_quant_matches(x, "nvfp4", rounding="stochastic", key=jax.random.key(3))
+
+
+# ------------------------------------------------------------------ geometry
+
+
+@pytest.mark.parametrize("fmt,tile", [("nvfp4", (16, 16)), ("fp8_block128", (128, 128)),
+                                      ("mxfp8", (32, 32))])
+def test_tile_transpose_consistency(fmt, tile):
+    w = jnp.asarray(wide_range(19, (2 * tile[0], 3 * tile[1] - 5), -4, 4))
+    a = fp4lab.quantize(w, fmt, tile=tile)
+    b = fp4lab.quantize(w.T, fmt, tile=tile[::-1])
+    np.testing.assert_array_equal(scale_bytes(a).T, scale_bytes(b))
+    same_bits(fp4lab.dequantize(a).T, fp4lab.dequantize(b))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "int4", "int4_q4_0", "fp8_e4m3"])
+@pytest.mark.parametrize("shape,axis", [((5, 37), -1), ((37, 3), 0), ((2, 21, 3), 1), ((7,), 0)])
+def test_padding_round_trips_along_any_axis(fmt, shape, axis):
+    x = wide_range(20, shape, -3, 3)
+    q = fp4lab.quantize(jnp.asarray(x), fmt, axis=axis)
+    y = np.asarray(fp4lab.dequantize(q))
+    assert y.shape == shape and q.shape == shape
+    # equals quantizing the zero-padded array along the last axis, then slicing back
+    f = fp4lab.get_format(fmt)
+    moved = np.moveaxis(x, axis, -1)
+    if f.granularity == "block":
+        pad = -moved.shape[-1] % f.block
+        moved = np.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, pad)])
+    z = np.asarray(fp4lab.fake_quant(jnp.asarray(moved), fmt))[..., : shape[axis]]
+    same_bits(y, np.moveaxis(z, -1, axis))
+
+
+def test_vmap_jit_grad():
+    x = jnp.asarray(wide_range(21, (3, 4, 32), -3, 3))
+    per_example = jnp.stack([fp4lab.fake_quant(x[i], "nvfp4") for i in range(3)])
+    same_bits(jax.vmap(lambda t: fp4lab.fake_quant(t, "nvfp4"))(x), per_example)
+    same_bits(jax.jit(lambda t: fp4lab.fake_quant(t, "nvfp4"))(x), fp4lab.fake_quant(x, "nvfp4"))
+    qs = jax.vmap(lambda t: fp4lab.quantize(t, "mxfp4"))(x)
+    assert qs.data.shape == (3, 4, 16) and qs.scale.shape == (3, 4, 1)
+    # straight-through gradient, optionally masked where the input saturated
+    g = jax.grad(lambda t: fp4lab.fake_quant(t, "mxfp8").sum())(x)
+    np.testing.assert_array_equal(np.asarray(g), 1.0)
+    big = x.at[0, 0, 0].set(1e3)
+    g = jax.grad(lambda t: fp4lab.fake_quant(t, "fp8_e4m3", global_amax=F32(10.0),
+                                             mask_saturated=True).sum())(big)
+    assert float(g[0, 0, 0]) == 0.0 and float(g.sum()) == big.size - (np.abs(big) > 10).sum()
+
+
+# ------------------------------------------------------------------ properties
+
+
+finite_f32 = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+
+
+@given(st.lists(finite_f32, min_size=1, max_size=96),
+       st.sampled_from(["mxfp8", "mxfp4", "mxfp8_e5m2", "mxfp4_floor"]))
+def test_mx_fake_quant_is_idempotent(vals, fmt):
+    x = jnp.asarray(np.array(vals, F32))
+    y = fp4lab.fake_quant(x, fmt)
+    same_bits(fp4lab.fake_quant(y, fmt), y)
+
+
+@given(st.lists(finite_f32, min_size=1, max_size=96),
+       st.sampled_from(["nvfp4", "mxfp8", "mxfp4", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
+                        "int8_q8_0", "fp8_block128"]))
+def test_sign_symmetry(vals, fmt):
+    """fq(-x) == -fq(x) (integer formats have a single, unsigned zero)."""
+    x = jnp.asarray(np.array(vals, F32))
+    a, b = np.asarray(fp4lab.fake_quant(-x, fmt)), -np.asarray(fp4lab.fake_quant(x, fmt))
+    if fmt.startswith("int"):
+        a, b = a + F32(0), b + F32(0)
+    same_bits(a, b)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = jnp.ones((4, 32))
+    with pytest.raises(ValueError, match="unknown format 'nvfp3'.*nvfp4.*mxfp8"):
+        fp4lab.quantize(x, "nvfp3")
+    with pytest.raises(TypeError, match="floating-point.*int32"):
+        fp4lab.quantize(jnp.ones((4, 32), jnp.int32), "nvfp4")
+    with pytest.raises(TypeError, match="complex64"):
+        fp4lab.quantize(jnp.ones((4, 32), jnp.complex64), "mxfp8")
+    with pytest.raises(ValueError, match=r"axis=2 out of range for shape \(4, 32\)"):
+        fp4lab.quantize(x, "nvfp4", axis=2)
+    with pytest.raises(ValueError, match="stochastic.*key"):
+        fp4lab.fake_quant(x, "nvfp4", rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding='up'"):
+        fp4lab.quantize(x, "nvfp4", rounding="up")
+    with pytest.raises(ValueError, match=r"tile=\(16, 16\) does not fit format fp8_e4m3"):
+        fp4lab.quantize(x, "fp8_e4m3", tile=(16, 16))
+    with pytest.raises(ValueError, match=r"tile=\(16, 15\) does not fit format nvfp4"):
+        fp4lab.quantize(x, "nvfp4", tile=(16, 15))
+    with pytest.raises(ValueError, match="pair of positive ints"):
+        fp4lab.quantize(x, "nvfp4", tile=(16,))
+    with pytest.raises(ValueError, match="global_amax.*mxfp8"):
+        fp4lab.quantize(x, "mxfp8", global_amax=1.0)
+    with pytest.raises(ValueError, match="stochastic.*bf16"):
+        fp4lab.quantize(x, "bf16", rounding="stochastic", key=jax.random.key(0))
+    with pytest.raises(TypeError, match="QArray"):
+        fp4lab.dequantize(x)
