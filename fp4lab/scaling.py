@@ -55,6 +55,7 @@ class ScaleScheme:
     """Base class; see the module docstring."""
 
     scale_dtype = "float32"  # how the scale is stored
+    scale_name = "fp32"  # the scale's number format, for tables
     scale_bits = 32
     uses_tensor_amax = False  # True when a per-tensor amax enters the block scales (NVFP4)
 
@@ -123,6 +124,7 @@ class NVFP4Scale(ScaleScheme):
     """
 
     scale_dtype = "float8_e4m3fn"
+    scale_name = "e4m3"
     scale_bits = 8
     uses_tensor_amax = True
 
@@ -153,6 +155,7 @@ class PowerOfTwoScale(ScaleScheme):
 
     mode: Literal["rceil", "floor"] = "rceil"
     scale_dtype = "uint8"
+    scale_name = "e8m0"
     scale_bits = 8
 
     def __post_init__(self):
@@ -202,6 +205,7 @@ class GGMLQ4_0Scale(ScaleScheme):
     packing (two's complement nibbles, element 2i low) rather than GGML's byte layout."""
 
     scale_dtype = "float16"
+    scale_name = "fp16"
     scale_bits = 16
 
     def statistic(self, xb, axes):
@@ -227,6 +231,7 @@ class GGMLQ8_0Scale(ScaleScheme):
     ``q = roundf(fl(x * id))`` (half away from zero), ``d`` stored as float16."""
 
     scale_dtype = "float16"
+    scale_name = "fp16"
     scale_bits = 16
 
     def encode(self, stat, tensor_amax, element):

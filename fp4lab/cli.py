@@ -1,0 +1,237 @@
+"""The ``fp4lab`` command line.
+
+    fp4lab formats                     table of every format (bits, range, block, scale, cost)
+    fp4lab compare [--tensor F.npy]    SQNR / underflow / saturation / scale health of every
+                                       format on several distributions (and your tensors)
+                   [--plot out.png] [--formats nvfp4,mxfp8] [--size 262144] [--axis -1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["main", "format_rows", "DISTRIBUTIONS", "load_tensors", "compare"]
+
+
+def _fmt_num(v: float) -> str:
+    if v == 0:
+        return "0"
+    e = math.log2(abs(v))
+    if e == int(e) and abs(e) >= 4:
+        return f"2^{int(e)}"
+    return f"{v:.6g}"
+
+
+def format_rows() -> list[dict[str, str]]:
+    """One row per registered format, for ``fp4lab formats``."""
+    from fp4lab.formats import FORMATS
+
+    rows = []
+    for f in FORMATS.values():
+        el = f.element
+        scale = {"none": "-", "tensor": "fp32/tensor"}.get(f.granularity)
+        if scale is None:
+            unit = f"{f.block}" if f.granularity == "block" else "channel"
+            scale = f"{f.scaling.scale_name}/{unit}"
+        if f.has_global_scale:
+            scale += " + fp32/tensor"
+        rows.append({
+            "format": f.name,
+            "element": el.name,
+            "bits": str(el.bits),
+            "max": _fmt_num(el.max),
+            "min normal": _fmt_num(el.min_normal),
+            "min subnormal": _fmt_num(el.min_subnormal),
+            "block": {"block": str(f.block), "channel": "axis", "tensor": "tensor"}.get(
+                f.granularity, "-"),
+            "scale": scale,
+            "bits/elem": (f"{f.bits_per_element():.3g}" if f.granularity != "channel"
+                          else f"{el.bits}+32/K"),
+            "follows": f.follows,
+        })
+    return rows
+
+
+def _table(rows: list[dict[str, str]]) -> str:
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    line = lambda r: "| " + " | ".join(r[c].ljust(width[c]) for c in cols) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (width[c] + 2) for c in cols) + "|"
+    return "\n".join([line({c: c for c in cols}), sep] + [line(r) for r in rows])
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def _student_t(rng, n):
+    return rng.standard_t(3.0, n)
+
+
+def _outlier_channels(rng, n):
+    """Activations with a few large channels (LLM-style outlier features), 1024 columns."""
+    x = rng.standard_normal(n).reshape(-1, 1024)
+    x[:, rng.choice(1024, 8, replace=False)] *= 50
+    return x.reshape(-1)
+
+
+DISTRIBUTIONS: dict[str, Callable] = {
+    "gaussian": lambda rng, n: rng.standard_normal(n),
+    "student-t(3)": _student_t,
+    "log-normal": lambda rng, n: rng.choice([-1, 1], n) * rng.lognormal(0.0, 2.0, n),
+    "outlier-channels": _outlier_channels,
+    "gradient-like": lambda rng, n: rng.standard_normal(n) * 1e-6 * rng.lognormal(0, 1.5, n),
+}
+
+
+def load_tensors(path: str) -> dict[str, np.ndarray]:
+    """Tensors from ``.npy`` / ``.npz`` (every array, or ``file.npz:name``)."""
+    name = None
+    if ":" in path and not os.path.exists(path):
+        path, name = path.rsplit(":", 1)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tensor file {path!r} does not exist")
+    base = os.path.basename(path)
+    if path.endswith(".npy"):
+        return {base: np.load(path)}
+    if path.endswith(".npz"):
+        with np.load(path) as z:
+            keys = [name] if name else list(z.keys())
+            missing = [k for k in keys if k not in z]
+            if missing:
+                raise KeyError(f"{missing[0]!r} not in {path}; it holds {sorted(z.keys())}")
+            return {f"{base}:{k}": z[k] for k in keys}
+    raise ValueError(f"unsupported tensor file {path!r}: use .npy or .npz")
+
+
+def _as_matrix(x: np.ndarray, axis: int) -> np.ndarray:
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"tensor of dtype {x.dtype} is not floating point")
+    x = np.moveaxis(np.asarray(x, np.float32), axis, -1) if x.ndim else x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+
+
+def compare(tensors: dict[str, np.ndarray], formats: list[str]) -> list[dict]:
+    """Metrics of every format on every tensor (2D, blocks along the last axis), one dict per
+    (tensor, format)."""
+    import jax.numpy as jnp
+
+    from fp4lab.formats import get_format
+    from fp4lab.metrics import quant_metrics
+
+    out = []
+    for tname, x in tensors.items():
+        xj = jnp.asarray(x, jnp.bfloat16)
+        for f in formats:
+            m = {k: float(v) for k, v in quant_metrics(xj, f).items()}
+            out.append({"tensor": tname, "format": get_format(f).name,
+                        "bits/elem": get_format(f).bits_per_element(x.shape[-1]), **m})
+    return out
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tensors = list(dict.fromkeys(r["tensor"] for r in results))
+    formats = list(dict.fromkeys(r["format"] for r in results))
+    get = {(r["tensor"], r["format"]): r for r in results}
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    width = 0.8 / len(tensors)
+    xs = np.arange(len(formats))
+    panels = [("sqnr_db", "SQNR (dB, higher is better)", 1.0),
+              ("underflow", "underflow: nonzero -> 0 (%)", 100.0),
+              ("saturation", "saturation (%)", 100.0)]
+    for ax, (key, title, mult) in zip(axes, panels):
+        for i, t in enumerate(tensors):
+            vals = np.array([get[(t, f)][key] * mult for f in formats])
+            pos = xs + i * width - 0.4 + width / 2
+            ax.bar(pos, np.where(np.isfinite(vals), vals, 0.0), width, label=t)
+            for p_, v in zip(pos, vals):
+                if np.isposinf(v):  # lossless (e.g. BF16 input in BF16): no finite bar
+                    ax.text(p_, 0, "exact", rotation=90, fontsize=6, ha="center", va="bottom")
+        ax.set_xticks(xs, formats, rotation=60, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("fp4lab compare: every format on every tensor (BF16 input, blocks on the last axis)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+
+def _cmd_formats(args) -> int:
+    print(_table(format_rows()))
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from fp4lab.formats import FORMATS, get_format
+
+    formats = ([get_format(f).name for f in args.formats.split(",")] if args.formats
+               else [n for n, f in FORMATS.items() if n not in ("fp32", "fp16")])
+    rng = np.random.default_rng(args.seed)
+    tensors = {}
+    if not args.only_files:
+        for name, gen in DISTRIBUTIONS.items():
+            tensors[name] = gen(rng, args.size).astype(np.float32).reshape(-1, 1024)
+    for path in args.tensor or []:
+        for name, x in load_tensors(path).items():
+            tensors[name] = _as_matrix(x, args.axis)
+    if not tensors:
+        raise SystemExit("nothing to compare: give --tensor FILE or drop --only-files")
+    results = compare(tensors, formats)
+    for tname in tensors:
+        rows = [{"format": r["format"], "bits/elem": f"{r['bits/elem']:.3g}",
+                 "SQNR dB": f"{r['sqnr_db']:.2f}", "underflow %": f"{100 * r['underflow']:.3f}",
+                 "saturation %": f"{100 * r['saturation']:.3f}",
+                 "bad scales %": f"{100 * r['bad_scales']:.2f}"}
+                for r in results if r["tensor"] == tname]
+        shape = "x".join(map(str, tensors[tname].shape))
+        print(f"\n## {tname} ({shape}, BF16)\n")
+        print(_table(rows))
+    print("\nunderflow: fraction of nonzero inputs that dequantize to 0; saturation: inputs "
+          "clipped at the element max;\nbad scales: blocks whose scale is zero/subnormal "
+          "(E8M0: clamped at 2^-127).")
+    if args.plot:
+        _plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fp4lab", description="Low-precision numerics toolkit.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("formats", help="table of every format").set_defaults(fn=_cmd_formats)
+    c = sub.add_parser("compare", help="error/underflow/saturation of every format")
+    c.add_argument("--tensor", action="append", metavar="FILE",
+                   help=".npy or .npz (or file.npz:name) to include; repeatable")
+    c.add_argument("--axis", type=int, default=-1, help="block axis of --tensor arrays")
+    c.add_argument("--formats", default="", help="comma-separated format names (default: all)")
+    c.add_argument("--size", type=int, default=262144, help="elements per synthetic tensor")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--only-files", action="store_true", help="skip synthetic distributions")
+    c.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
+    c.set_defaults(fn=_cmd_compare)
+    args = p.parse_args(argv)
+    if getattr(args, "size", 1024) % 1024 or getattr(args, "size", 1024) <= 0:
+        p.error(f"--size={args.size} must be a positive multiple of 1024")
+    try:
+        return args.fn(args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        print(f"fp4lab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

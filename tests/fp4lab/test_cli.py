@@ -1,0 +1,42 @@
+"""The fp4lab console script."""
+
+import numpy as np
+import pytest
+
+from fp4lab import cli
+from fp4lab.formats import FORMATS
+
+
+def test_formats_table(capsys):
+    assert cli.main(["formats"]) == 0
+    out = capsys.readouterr().out
+    for name in FORMATS:
+        assert f"| {name} " in out
+    assert "e4m3/16 + fp32/tensor" in out and "e8m0/32" in out
+
+
+def test_compare_on_distributions_and_files(tmp_path, capsys):
+    w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    np.save(tmp_path / "w.npy", w)
+    np.savez(tmp_path / "acts.npz", a=w * 3, b=w[:8])
+    plot = tmp_path / "out" / "cmp.png"
+    rc = cli.main(["compare", "--size", "4096", "--formats", "nvfp4,mxfp8,bf16",
+                   "--tensor", str(tmp_path / "w.npy"), "--tensor", str(tmp_path / "acts.npz"),
+                   "--plot", str(plot)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for section in ("gaussian", "student-t(3)", "log-normal", "w.npy", "acts.npz:a", "acts.npz:b"):
+        assert f"## {section} " in out
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_errors_are_clear(tmp_path, capsys):
+    assert cli.main(["compare", "--formats", "nvfp9", "--size", "1024"]) == 2
+    assert "unknown format 'nvfp9'" in capsys.readouterr().err
+    assert cli.main(["compare", "--tensor", str(tmp_path / "missing.npy")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    np.save(tmp_path / "ints.npy", np.arange(10))
+    assert cli.main(["compare", "--only-files", "--tensor", str(tmp_path / "ints.npy")]) == 2
+    assert "not floating point" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--size", "1000"])

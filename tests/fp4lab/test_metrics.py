@@ -1,0 +1,72 @@
+"""fp4lab.metrics: known values on constructed tensors, and the NUMERICS.md reference figures."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4lab
+from fp4lab.metrics import METRIC_NAMES, quant_metrics
+
+
+def test_everything_below_the_smallest_value_underflows():
+    # one block: amax 1000 sets the scale; the 15 tiny values are far below half the smallest
+    # E2M1 step at that scale, so all of them flush to zero
+    x = np.full((1, 16), 1e-3, np.float32)
+    x[0, 0] = 1000.0
+    m = quant_metrics(jnp.asarray(x), "nvfp4")
+    assert float(m["underflow"]) == pytest.approx(15 / 16)
+    assert float(m["underflow_all"]) == pytest.approx(15 / 16)
+    y = np.full((2, 32), 1e-30, np.float32)  # MX: each block has its own scale, none flush
+    assert float(quant_metrics(jnp.asarray(y), "mxfp8")["underflow"]) == 0.0
+
+
+def test_underflow_denominators():
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = 1000.0, 1e-3
+    m = quant_metrics(jnp.asarray(x), "nvfp4")
+    assert float(m["underflow"]) == pytest.approx(1 / 2)  # of the nonzero inputs
+    assert float(m["underflow_all"]) == pytest.approx(1 / 32)  # TE's debug denominator
+
+
+def test_saturation_with_a_given_amax():
+    x = jnp.asarray([[2.0, 0.5, -4.0, 0.25]])
+    m = quant_metrics(x, "fp8_e4m3", global_amax=1.0)  # scale 448: |x| > 1 saturates
+    assert float(m["saturation"]) == pytest.approx(0.5)
+    assert float(quant_metrics(x, "fp8_e4m3")["saturation"]) == 0.0
+
+
+def test_scale_health():
+    x = np.ones((4, 16), np.float32) * 1e-6
+    x[0, 0] = 1e4  # the other blocks' E4M3 scales become subnormal or zero
+    m = quant_metrics(jnp.asarray(x), "nvfp4")
+    assert float(m["bad_scales"]) == pytest.approx(3 / 4)
+    mx = quant_metrics(jnp.asarray(np.zeros((2, 32), np.float32)), "mxfp8")
+    assert float(mx["bad_scales"]) == 1.0  # amax 0: exponent clamped at 2^-127
+
+
+def test_exact_format_has_infinite_sqnr_and_padding_is_not_counted():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 20)), jnp.bfloat16)
+    m = quant_metrics(x, "bf16")
+    assert float(m["rel_mse"]) == 0 and np.isposinf(float(m["sqnr_db"]))
+    z = jnp.zeros((3, 20)).at[:, 0].set(1.0)  # 20 is padded to 32 for mxfp4
+    assert float(quant_metrics(z, "mxfp4")["underflow_all"]) == 0.0
+    assert set(quant_metrics(z, "mxfp4")) == set(METRIC_NAMES)
+
+
+def test_gaussian_reference_figures():
+    """NUMERICS.md: NVFP4 RTN on N(0,1) ~20.4 dB SQNR and ~6.8 % underflow; SR ~17.2 dB."""
+    x = jax.random.normal(jax.random.key(0), (256, 1024))
+    m = quant_metrics(x, "nvfp4")
+    assert 20.0 < float(m["sqnr_db"]) < 20.8
+    assert 0.064 < float(m["underflow"]) < 0.072
+    sr = quant_metrics(x, "nvfp4", rounding="stochastic", key=jax.random.key(1))
+    assert 16.8 < float(sr["sqnr_db"]) < 17.6
+
+
+def test_metrics_jit_and_match_fake_quant():
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    m = jax.jit(lambda t: quant_metrics(t, "mxfp4"))(x)
+    y = fp4lab.fake_quant(x, "mxfp4")
+    rel = float(jnp.sum((x - y) ** 2) / jnp.sum(x**2))
+    assert float(m["rel_mse"]) == pytest.approx(rel, rel=1e-5)
