@@ -1,8 +1,13 @@
-"""Shared test setup: the NumPy oracle (tests/numpy_ref.py) is importable as ``numpy_ref``
-from every test directory, and hypothesis uses a small, deterministic profile on 2 cores."""
+"""Shared test setup: 8 simulated CPU devices (for sharding tests; set before JAX starts),
+the NumPy oracle (tests/numpy_ref.py) importable as ``numpy_ref`` from every test directory,
+and a small, deterministic hypothesis profile for 2 cores."""
 
 import os
 import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 from hypothesis import settings
 

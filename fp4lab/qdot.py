@@ -1,0 +1,238 @@
+"""Quantized GEMMs for training: ``qdot_general`` and ``qeinsum`` as ``jax.custom_vjp``.
+
+The forward GEMM and the two backward GEMMs each quantize their operands as a
+:class:`~fp4lab.recipe.Recipe` says (see ``fp4lab.recipe`` for the three GEMMs and their
+quantization axes), from the high-precision values, and accumulate in float32. Quantized
+operands are dequantized to float32 and multiplied with ``Precision.HIGHEST``: on hardware
+without FP4/FP8 tensor cores this emulates a block-scaled GEMM with FP32 accumulation (the
+products are exact; only the summation order may differ from a hardware kernel). Pass-through
+formats (``bf16``) are plain casts, so the ``bf16`` recipe equals a plain BF16 dot exactly.
+
+Any ``dimension_numbers`` are supported: operands are canonicalized to ``X: (B, M, K)`` and
+``W: (B, K, N)`` (batch, free and contracting dims each flattened, as TE does), so the
+quantization blocks run over the flattened contracting dims in fprop, over the flattened free
+dims of W in dgrad, and over the flattened token (free) dims of X in wgrad. ``lhs`` plays the
+activation X and ``rhs`` the weight W.
+
+Randomness: ``key`` is folded in per operand (6 streams), so the two stochastically rounded
+gradient operands never share bits; callers fold in the layer (Flax rng streams do this).
+
+:func:`reference_qdot` composes ``fake_quant`` and ``dot`` explicitly: it is the oracle for
+tests and the extension point where fused kernels plug in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4lab.hadamard import rht
+from fp4lab.quantize import dequantize, fake_quant, quantize
+from fp4lab.recipe import OperandQuant, Recipe, get_recipe
+
+__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys"]
+
+_OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+_BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N)
+_BMN_BKN = (((2,), (2,)), ((0,), (0,)))  # (B,M,N) x (B,K,N) -> (B,M,K)
+_BMK_BMN = (((1,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,M,N) -> (B,K,N)
+
+
+def operand_keys(key) -> dict[str, jax.Array | None]:
+    """One independent key per GEMM operand, derived deterministically from ``key``."""
+    if key is None:
+        return dict.fromkeys(_OPERANDS)
+    return {name: jax.random.fold_in(key, i) for i, name in enumerate(_OPERANDS)}
+
+
+def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te") -> jax.Array:
+    """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
+    cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values)."""
+    if op.hadamard:
+        x = rht(x, axis, op.hadamard, signs)
+    if op.format.is_passthrough:
+        return x.astype(op.format.element.storage)
+    axis = -1 if op.tile else axis
+    return fake_quant(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
+                      rounding=op.rounding, key=key)
+
+
+def _mm(a, b, dn):
+    """A GEMM with float32 accumulation; float32 operands use full float32 precision."""
+    dt = jnp.promote_types(a.dtype, b.dtype)
+    precision = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a.astype(dt), b.astype(dt), dn, precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- canonical form
+
+
+class _Plan(NamedTuple):
+    lhs_perm: tuple[int, ...]
+    rhs_perm: tuple[int, ...]
+    lhs_canon: tuple[int, ...]  # permuted lhs shape
+    rhs_canon: tuple[int, ...]
+    bmkn: tuple[int, int, int, int]
+    out_shape: tuple[int, ...]
+
+
+def _plan(lhs_shape, rhs_shape, dimension_numbers) -> _Plan:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(a) % n for a in ax) for ax, n in
+                      ((lc, len(lhs_shape)), (rc, len(rhs_shape)), (lb, len(lhs_shape)),
+                       (rb, len(rhs_shape))))
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"dimension_numbers={dimension_numbers} pair up unequal axis counts")
+    for a, b in zip(lc + lb, rc + rb):
+        if lhs_shape[a] != rhs_shape[b]:
+            raise ValueError(f"lhs axis {a} (size {lhs_shape[a]}) and rhs axis {b} (size "
+                             f"{rhs_shape[b]}) are paired but differ")
+    lf = tuple(a for a in range(len(lhs_shape)) if a not in lc + lb)
+    rf = tuple(a for a in range(len(rhs_shape)) if a not in rc + rb)
+    size = lambda shape, axes: math.prod(shape[a] for a in axes)  # noqa: E731
+    bmkn = (size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc), size(rhs_shape, rf))
+    lhs_perm, rhs_perm = lb + lf + lc, rb + rc + rf
+    out_shape = tuple(lhs_shape[a] for a in lb + lf) + tuple(rhs_shape[a] for a in rf)
+    return _Plan(lhs_perm, rhs_perm, tuple(lhs_shape[a] for a in lhs_perm),
+                 tuple(rhs_shape[a] for a in rhs_perm), bmkn, out_shape)
+
+
+def _to_canon(lhs, rhs, p: _Plan):
+    b, m, k, n = p.bmkn
+    return (jnp.transpose(lhs, p.lhs_perm).reshape(b, m, k),
+            jnp.transpose(rhs, p.rhs_perm).reshape(b, k, n))
+
+
+def _from_canon(x, canon_shape, perm, dtype):
+    inv = [0] * len(perm)
+    for i, a in enumerate(perm):
+        inv[a] = i
+    return jnp.transpose(x.reshape(canon_shape), inv).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+def _weight(w, recipe: Recipe, key):
+    """fprop W, and a QArray to reuse in dgrad when both GEMMs use the same tiled spec."""
+    op = recipe.fprop_w
+    if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
+        qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
+                      key=key)
+        return dequantize(qw), qw
+    return quantize_operand(w, op, 1, key, recipe.hadamard_signs), None
+
+
+def _forward(x, w, keys, recipe: Recipe):
+    wq, qw = _weight(w, recipe, keys["fprop_w"])
+    xq = quantize_operand(x, recipe.fprop_x, -1, keys["fprop_x"], recipe.hadamard_signs)
+    return _mm(xq, wq, _BMK_BKN), xq, wq, qw
+
+
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw):
+    s = recipe.hadamard_signs
+    if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
+        return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
+    if qw is not None:
+        wq2 = dequantize(qw)
+    else:
+        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s)
+    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s)
+    dx = _mm(dyq, wq2, _BMN_BKN)
+    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s)
+    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s)
+    return dx, _mm(xq3, dyq3, _BMK_BMN)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _qdot(plan: _Plan, recipe: Recipe, out_dtype, lhs, rhs, key):
+    x, w = _to_canon(lhs, rhs, plan)
+    y = _forward(x, w, operand_keys(key), recipe)[0]
+    return y.reshape(plan.out_shape).astype(out_dtype)
+
+
+def _qdot_fwd(plan, recipe, out_dtype, lhs, rhs, key):
+    x, w = _to_canon(lhs, rhs, plan)
+    y, xq, wq, qw = _forward(x, w, operand_keys(key), recipe)
+    res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (qw,)
+    return y.reshape(plan.out_shape).astype(out_dtype), res
+
+
+def _qdot_bwd(plan, recipe, out_dtype, res, g):
+    x, w, key, xq, wq, qw = res
+    b, m, _, n = plan.bmkn
+    dy = g.reshape(b, m, n)
+    dx, dw = _backward(x, w, dy, operand_keys(key), recipe, xq, wq, qw)
+    return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
+            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None)
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def _check_operand(name, x):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"qdot_general needs floating-point operands; {name} has dtype "
+                        f"{jnp.result_type(x)}")
+
+
+def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
+                 precision=None, preferred_element_type=None, **unused):
+    """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
+
+    Args:
+      lhs, rhs: the activation-like and the weight-like operand.
+      dimension_numbers: as ``lax.dot_general``.
+      recipe: a :class:`~fp4lab.recipe.Recipe` or registry name.
+      key: PRNG key; required when the recipe uses stochastic rounding.
+      precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
+      preferred_element_type: output dtype (default: the operands' result type).
+    Extra keyword arguments of ``lax.dot_general`` (``out_sharding``) are accepted so this can
+    be passed as a Flax ``dot_general``; the output follows the inputs' sharding under jit.
+    """
+    del precision, unused
+    recipe = get_recipe(recipe)
+    _check_operand("lhs", lhs)
+    _check_operand("rhs", rhs)
+    if recipe.needs_key and key is None:
+        raise ValueError(f"recipe {recipe.name} uses stochastic rounding: pass key=... (a "
+                         "jax.random key, or an rng stream in Flax)")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    return _qdot(plan, recipe, out_dtype, jnp.asarray(lhs), jnp.asarray(rhs), key)
+
+
+def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *,
+            preferred_element_type=None):
+    """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
+
+    Letters in both inputs and the output are batch dims, letters in both inputs only are
+    contracted; ellipses are not supported."""
+    try:
+        ins, out = spec.replace(" ", "").split("->")
+        sa, sb = ins.split(",")
+    except ValueError:
+        raise ValueError(f"qeinsum spec {spec!r} must look like 'bsd,df->bsf'") from None
+    if "." in spec:
+        raise ValueError(f"qeinsum spec {spec!r}: ellipses are not supported")
+    if len(sa) != jnp.ndim(a) or len(sb) != jnp.ndim(b):
+        raise ValueError(f"qeinsum spec {spec!r} does not match shapes {jnp.shape(a)} and "
+                         f"{jnp.shape(b)}")
+    for s, name in ((sa, "first"), (sb, "second")):
+        lonely = [c for c in s if c not in out and c not in (sb if s is sa else sa)]
+        if lonely:
+            raise ValueError(f"qeinsum spec {spec!r}: {lonely} of the {name} operand are "
+                             "summed alone; sum them before the einsum")
+    batch = [c for c in sa if c in sb and c in out]
+    contract = [c for c in sa if c in sb and c not in out]
+    dn = ((tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
+          (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)))
+    y = qdot_general(a, b, dn, recipe, key=key, preferred_element_type=preferred_element_type)
+    produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
+    return jnp.transpose(y, [produced.index(c) for c in out])

@@ -1,0 +1,202 @@
+"""Recipes: how each operand of each of a linear layer's three GEMMs is quantized.
+
+For ``Y = X W`` (X: tokens x K, W: K x N) a training step runs three GEMMs:
+
+* fprop ``Y = X W``: X and W quantized along K;
+* dgrad ``dX = dY W^T``: dY and W quantized along N;
+* wgrad ``dW = X^T dY``: X and dY quantized along the token axis M.
+
+A :class:`Recipe` names an :class:`OperandQuant` for each of the six operands. Each operand is
+quantized from its high-precision value (never re-quantized); a weight quantized with a 2D tile
+in fprop and with the same spec in dgrad is the same quantized weight (its transpose is exact).
+QAT recipes (``backward="ste"``) quantize only the forward operands and differentiate straight
+through them: dgrad uses the quantized W, wgrad the quantized X, gradients stay in high
+precision.
+
+Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from fp4lab.formats import Format, get_format
+
+__all__ = ["OperandQuant", "Recipe", "RECIPES", "get_recipe", "recipe_names"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OperandQuant:
+    """How one GEMM operand is quantized.
+
+    Attributes:
+      format: format name or :class:`~fp4lab.formats.Format` (``"bf16"``: a plain cast).
+      tile: 2D tile for weights, e.g. ``(16, 16)``; then the operand is quantized once and
+        serves every GEMM that uses the same spec.
+      rounding: ``"nearest"`` or ``"stochastic"`` (needs a key at call time).
+      hadamard: random Hadamard transform group size along the quantization axis (wgrad
+        operands only), 0 for none.
+    """
+
+    format: str | Format = "bf16"
+    tile: tuple[int, int] | None = None
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    hadamard: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", get_format(self.format))
+        if self.tile is not None:
+            object.__setattr__(self, "tile", tuple(self.tile))
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding={self.rounding!r} is not 'nearest' or 'stochastic'")
+        if self.hadamard < 0 or (self.hadamard & (self.hadamard - 1)):
+            raise ValueError(f"hadamard={self.hadamard} must be 0 or a power of two")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.format.is_passthrough and self.hadamard == 0
+
+    def describe(self) -> str:
+        s = self.format.name
+        if self.tile:
+            s += f" {self.tile[0]}x{self.tile[1]}"
+        if self.rounding == "stochastic":
+            s += " SR"
+        if self.hadamard:
+            s += f" RHT{self.hadamard}"
+        return s
+
+
+def _op(fmt="bf16", **kw) -> OperandQuant:
+    return OperandQuant(format=fmt, **kw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Quantization of the six GEMM operands of a linear layer (see module docstring).
+
+    ``hadamard_signs`` selects the RHT sign vector: ``"te"`` (Transformer Engine's fixed
+    16-entry vector) or an int seed for a fixed random one shared by all layers.
+    """
+
+    name: str
+    fprop_x: OperandQuant = _op()
+    fprop_w: OperandQuant = _op()
+    dgrad_dy: OperandQuant = _op()
+    dgrad_w: OperandQuant = _op()
+    wgrad_x: OperandQuant = _op()
+    wgrad_dy: OperandQuant = _op()
+    backward: Literal["quantized", "ste"] = "quantized"
+    hadamard_signs: str | int = "te"
+    follows: str = ""
+
+    def __post_init__(self):
+        if self.backward not in ("quantized", "ste"):
+            raise ValueError(f"backward={self.backward!r} is not 'quantized' or 'ste'")
+
+    @property
+    def operands(self) -> dict[str, OperandQuant]:
+        return {f: getattr(self, f) for f in
+                ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")}
+
+    @property
+    def needs_key(self) -> bool:
+        ops = self.operands.values() if self.backward == "quantized" else (
+            self.fprop_x, self.fprop_w)
+        return any(o.rounding == "stochastic" for o in ops)
+
+    @property
+    def is_identity(self) -> bool:
+        return all(o.is_identity for o in self.operands.values())
+
+    def describe(self) -> str:
+        ops = self.operands
+        if self.backward == "ste":
+            return (f"QAT fwd x:{ops['fprop_x'].describe()} w:{ops['fprop_w'].describe()}, "
+                    "straight-through bwd")
+        return ", ".join(f"{k}:{v.describe()}" for k, v in ops.items())
+
+
+def _uniform(name, fmt, follows, **kw) -> Recipe:
+    op = _op(fmt)
+    return Recipe(name=name, fprop_x=op, fprop_w=op, dgrad_dy=op, dgrad_w=op, wgrad_x=op,
+                  wgrad_dy=op, follows=follows, **kw)
+
+
+def _nvfp4(name, *, rht=16, sr=True, weight_tile=(16, 16), follows=""):
+    sr_ = "stochastic" if sr else "nearest"
+    w = _op("nvfp4", tile=weight_tile)
+    return Recipe(
+        name=name,
+        fprop_x=_op("nvfp4"), fprop_w=w,
+        dgrad_dy=_op("nvfp4", rounding=sr_), dgrad_w=w,
+        wgrad_x=_op("nvfp4", hadamard=rht), wgrad_dy=_op("nvfp4", rounding=sr_, hadamard=rht),
+        follows=follows,
+    )
+
+
+def _qat(name, w, x="bf16", w_tile=None, follows=""):
+    return Recipe(name=name, fprop_x=_op(x), fprop_w=_op(w, tile=w_tile), backward="ste",
+                  follows=follows)
+
+
+_NVFP4_PAPER = "NVIDIA, 'Pretraining LLMs with NVFP4' (2025) / Nemotron 3"
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    _uniform("bf16", "bf16", "BF16 operands, FP32 accumulation (must equal a plain BF16 dot)"),
+    _uniform("fp32", "fp32", "FP32 operands"),
+    Recipe(
+        name="fp8_hybrid",
+        fprop_x=_op("fp8_e4m3"), fprop_w=_op("fp8_e4m3"),
+        dgrad_dy=_op("fp8_e5m2"), dgrad_w=_op("fp8_e4m3"),
+        wgrad_x=_op("fp8_e4m3"), wgrad_dy=_op("fp8_e5m2"),
+        follows="TE 'HYBRID' FP8 with per-tensor current scaling (TE's default is delayed "
+                "scaling from an amax history; fp4lab uses the current amax)",
+    ),
+    Recipe(
+        name="fp8_blockwise",
+        fprop_x=_op("fp8_block128"), fprop_w=_op("fp8_block128", tile=(128, 128)),
+        dgrad_dy=_op("fp8_block128"), dgrad_w=_op("fp8_block128", tile=(128, 128)),
+        wgrad_x=_op("fp8_block128"), wgrad_dy=_op("fp8_block128"),
+        follows="DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight blocks, E4M3 "
+                "everywhere, float32 scales (DeepSeek rounds scales to powers of two in "
+                "later releases; here they are plain float32)",
+    ),
+    _uniform("mxfp8", "mxfp8", "MXFP8 pre-training recipe: E4M3 everywhere, RCEIL scales"),
+    Recipe(
+        name="mxfp4",
+        fprop_x=_op("mxfp4"), fprop_w=_op("mxfp4"),
+        dgrad_dy=_op("mxfp4", rounding="stochastic"), dgrad_w=_op("mxfp4"),
+        wgrad_x=_op("mxfp4", hadamard=16),
+        wgrad_dy=_op("mxfp4", rounding="stochastic", hadamard=16),
+        follows="'Training LLMs with MXFP4' (Tseng et al. 2025): RHT and SR in the backward "
+                "pass (the paper uses RHT groups up to 256 and BF16 forward in places)",
+    ),
+    _nvfp4("nvfp4", follows=_NVFP4_PAPER + ": 1D 16-blocks for X and dY, 16x16 2D weights, "
+           "RHT16 on wgrad inputs, SR on gradients"),
+    _nvfp4("nvfp4_no_rht", rht=0, follows="nvfp4 ablation: no random Hadamard transform"),
+    _nvfp4("nvfp4_no_sr", sr=False, follows="nvfp4 ablation: round-to-nearest gradients"),
+    _nvfp4("nvfp4_1d_weights", weight_tile=None,
+           follows="nvfp4 ablation: 1D weight blocks (W quantized separately along K and N)"),
+    _qat("fp4_qat", "mxfp4", follows="FP4 (E2M1) weight QAT as DeepSeek-V4 / MiMo; the "
+         "scale here is MX E8M0 per 32 (the systems' exact scale layout is not public)"),
+    _qat("mxfp4_w_mxfp8_a_qat", "mxfp4", x="mxfp8",
+         follows="Kimi K3-style QAT: MXFP4 weights, MXFP8 activations"),
+    _qat("int4_qat", "int4", follows="GLM-style INT4 weight QAT (symmetric per-channel)"),
+    _qat("q4_0_qat", "int4_q4_0", follows="Gemma QAT for GGML Q4_0 checkpoints"),
+    _qat("mxfp4_weights", "mxfp4",
+         follows="gpt-oss style weight-only MXFP4 (forward weights only)"),
+)}
+
+
+def recipe_names() -> list[str]:
+    return list(RECIPES)
+
+
+def get_recipe(recipe: str | Recipe) -> Recipe:
+    """The :class:`Recipe` for a registry name (or the Recipe itself)."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str) and recipe.strip().lower() in RECIPES:
+        return RECIPES[recipe.strip().lower()]
+    raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")

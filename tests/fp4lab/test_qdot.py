@@ -1,0 +1,226 @@
+"""fp4lab.qdot: forward and gradients against an oracle built here from quantize/dequantize/dot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4lab
+from fp4lab.hadamard import hadamard_matrix, rht, rht_matrix
+from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.recipe import RECIPES, get_recipe
+
+HI = jax.lax.Precision.HIGHEST
+DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N)
+
+
+def data(m=48, k=64, n=32, dtype=jnp.bfloat16):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), dtype)
+    w = (jax.random.normal(kw, (k, n)) * 0.05).astype(dtype)
+    g = jax.random.normal(kg, (m, n), dtype)
+    return x, w, g
+
+
+def oracle_operand(v, op, axis, key, signs="te"):
+    """The operand as the recipe spec says, composed explicitly from the public API."""
+    if op.hadamard:
+        v = rht(v, axis, op.hadamard, signs)
+    if op.format.is_passthrough:
+        return v.astype(op.format.element.storage)
+    q = fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+                        tile=op.tile, rounding=op.rounding, key=key)
+    return fp4lab.dequantize(q)
+
+
+def dot(a, b):
+    dt = jnp.promote_types(a.dtype, b.dtype)
+    return jnp.matmul(a.astype(dt), b.astype(dt), precision=HI if dt == jnp.float32 else None,
+                      preferred_element_type=jnp.float32)
+
+
+def oracle(x, w, g, recipe, key):
+    """(y, dx, dw) for Y = X W with X (M,K), W (K,N), dY (M,N); keys fold_in(key, 0..5)."""
+    r = get_recipe(recipe)
+    k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
+    xq = oracle_operand(x, r.fprop_x, 1, k[0])
+    wq = oracle_operand(w, r.fprop_w, 0, k[1])
+    y = dot(xq, wq)
+    if r.backward == "ste":
+        return y, dot(g, wq.T), dot(xq.T, g)
+    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2])
+    wq2 = wq if (r.fprop_w.tile and r.fprop_w == r.dgrad_w) else oracle_operand(
+        w, r.dgrad_w, 1, k[3])
+    dx = dot(dyq, wq2.T)
+    xq3 = oracle_operand(x, r.wgrad_x, 0, k[4], r.hadamard_signs)
+    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.hadamard_signs)
+    return y, dx, dot(xq3.T, dyq3)
+
+
+def assert_equal_up_to_sum_order(a, b):
+    """GEMM outputs: equal up to the float32 accumulation order (which differs between two
+    GEMM calls, or between a sharded and an unsharded one) and then one unit in the last place
+    of the result's dtype. The tolerance is keyed by dtype: eps(dtype) * |b| + 8 * eps(fp32) *
+    max|b|."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    ulp = float(jnp.finfo(a.dtype).eps)
+    af, bf = a.astype(np.float64), b.astype(np.float64)
+    tol = ulp * np.abs(bf) + 8 * float(np.finfo(np.float32).eps) * np.abs(bf).max()
+    bad = np.abs(af - bf) > tol
+    assert not bad.any(), f"{bad.sum()} elements differ by more than 1 ulp: {af[bad][:4]} " \
+        f"vs {bf[bad][:4]}"
+
+
+def run(x, w, g, recipe, key):
+    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe, key=key,
+                                               preferred_element_type=jnp.float32), x, w)
+    dx, dw = vjp(g.astype(jnp.float32))
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_forward_and_gradients_equal_the_oracle(recipe):
+    x, w, g = data()
+    key = jax.random.key(7)
+    y, dx, dw = jax.jit(run, static_argnums=3)(x, w, g, recipe, key)
+    ey, edx, edw = oracle(x, w, g.astype(jnp.float32), recipe, key)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ey))  # forward: bit for bit
+    assert_equal_up_to_sum_order(dx, edx.astype(x.dtype))
+    assert_equal_up_to_sum_order(dw, edw.astype(w.dtype))
+
+
+def test_bf16_recipe_equals_a_plain_bf16_dot():
+    x, w, g = data()
+    y = qdot_general(x, w, DN, "bf16")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jnp.dot(x, w)))
+    gx, gw = jax.grad(lambda a, b: jnp.sum(qdot_general(a, b, DN, "bf16") * g), (0, 1))(x, w)
+    ex, ew = jax.grad(lambda a, b: jnp.sum(jnp.dot(a, b) * g), (0, 1))(x, w)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(ex))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(ew))
+
+
+@pytest.mark.parametrize("recipe", ["fp4_qat", "int4_qat", "q4_0_qat", "mxfp4_weights"])
+def test_qat_recipes_are_straight_through(recipe):
+    x, w, g = data(dtype=jnp.float32)
+    r = get_recipe(recipe)
+    xq = oracle_operand(x, r.fprop_x, 1, None)  # a BF16 cast for these recipes
+    wq = oracle_operand(w, r.fprop_w, 0, None)
+    _, dx, dw = run(x, w, g, recipe, None)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dot(g, wq.T)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(dot(xq.T, g)), rtol=1e-5, atol=1e-5)
+
+
+def test_rht_matrix_is_orthogonal_and_cancels_in_wgrad():
+    t = rht_matrix(16)
+    np.testing.assert_allclose(t @ t.T, np.eye(16), atol=1e-6)
+    np.testing.assert_array_equal(np.abs(hadamard_matrix(16)), 1)
+    np.testing.assert_allclose(rht_matrix(16)[0] * 4, [1] * 16)  # first row: s0 * ones
+    x, _, g = data(m=40, dtype=jnp.float32)  # 40 tokens: padded to 48 inside the RHT
+    plain = dot(x.T, g)
+    rotated = dot(rht(x, 0).T, rht(g, 0))
+    np.testing.assert_allclose(np.asarray(rotated), np.asarray(plain), rtol=2e-5, atol=2e-5)
+    # with quantization off (fp32 operands), wgrad with and without RHT agree to fp32 rounding
+    fp32_rht = RECIPES["fp32"].__class__(
+        name="fp32_rht", wgrad_x=fp4lab.recipe.OperandQuant(format="fp32", hadamard=16),
+        wgrad_dy=fp4lab.recipe.OperandQuant(format="fp32", hadamard=16))
+    w = jnp.zeros((64, 32))
+    _, _, dw_rht = run(x, w, g, fp32_rht, None)
+    _, _, dw = run(x, w, g, "fp32", None)
+    np.testing.assert_allclose(np.asarray(dw_rht), np.asarray(dw), rtol=2e-5, atol=2e-5)
+    # a seeded sign vector is another orthogonal transform
+    t7 = rht_matrix(32, 7)
+    np.testing.assert_allclose(t7 @ t7.T, np.eye(32), atol=1e-6)
+
+
+def test_stochastic_rounding_mean_gradient_approaches_exact():
+    x, w, g = data(m=32, k=32, n=16, dtype=jnp.float32)
+    exact_dx = dot(g, oracle_operand(w, RECIPES["nvfp4"].dgrad_w, 1, None).T)
+    keys = jax.random.split(jax.random.key(0), 400)
+    dxs = jax.vmap(lambda k: run(x, w, g, "nvfp4", k)[1])(keys)
+    mean = np.asarray(dxs).mean(0)
+    single = np.asarray(dxs[0])
+    err_mean = np.linalg.norm(mean - exact_dx) / np.linalg.norm(exact_dx)
+    err_one = np.linalg.norm(single - exact_dx) / np.linalg.norm(exact_dx)
+    # averaging 400 independent draws shrinks the SR noise by ~sqrt(400) = 20; what remains is
+    # the (deterministic, RTN-like) quantization of the block scales' saturation
+    assert err_mean < err_one / 5, (err_mean, err_one)
+
+
+def test_keys_differ_per_operand_and_are_reproducible():
+    x, w, g = data()
+    a = run(x, w, g, "nvfp4", jax.random.key(1))
+    b = run(x, w, g, "nvfp4", jax.random.key(1))
+    c = run(x, w, g, "nvfp4", jax.random.key(2))
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert not np.array_equal(np.asarray(a[1]), np.asarray(c[1]))
+
+
+def test_general_dimension_numbers_and_batch_dims():
+    kx, kw = jax.random.split(jax.random.key(3))
+    # attention-like: (batch, heads, q, d) x (batch, heads, k, d) contracting d, batch (b, h)
+    q = jax.random.normal(kx, (2, 3, 8, 32))
+    k = jax.random.normal(kw, (2, 3, 16, 32))
+    dn = (((3,), (3,)), ((0, 1), (0, 1)))
+    y = qdot_general(q, k, dn, "fp32")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(
+        jax.lax.dot_general(q, k, dn, precision=HI)), rtol=1e-6, atol=1e-5)
+    # per batch entry, quantized: equals the einsum through quantized operands along d
+    y4 = qeinsum("bhqd,bhkd->bhqk", q, k, "mxfp8")
+    e4 = jnp.einsum("bhqd,bhkd->bhqk", fp4lab.fake_quant(q, "mxfp8"),
+                    fp4lab.fake_quant(k, "mxfp8"), precision=HI)
+    np.testing.assert_allclose(np.asarray(y4), np.asarray(e4), rtol=1e-6, atol=1e-5)
+    # leading token axes and a transposed weight (N, K)
+    x = jax.random.normal(kx, (2, 5, 64))
+    wt = jax.random.normal(kw, (24, 64))
+    y = qdot_general(x, wt, (((2,), (1,)), ((), ())), "mxfp8")
+    e = jnp.einsum("bsk,nk->bsn", fp4lab.fake_quant(x, "mxfp8"), fp4lab.fake_quant(wt, "mxfp8"),
+                   precision=HI)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(e), rtol=1e-6, atol=1e-5)
+    gx = jax.grad(lambda a: qdot_general(a, wt, (((2,), (1,)), ((), ())), "fp32").sum())(x)
+    assert gx.shape == x.shape
+
+
+def test_contracting_size_not_a_multiple_of_the_block_is_padded():
+    x = jax.random.normal(jax.random.key(4), (8, 40))  # K = 40: NVFP4 pads to 48
+    w = jax.random.normal(jax.random.key(5), (40, 8))
+    y = qdot_general(x, w, DN, "nvfp4_no_sr")
+    e = dot(fp4lab.fake_quant(x, "nvfp4"), fp4lab.fake_quant(w, "nvfp4", tile=(16, 16)))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(e.astype(y.dtype)))
+
+
+def test_bad_inputs():
+    x, w, _ = data()
+    with pytest.raises(ValueError, match="unknown recipe 'nvfp5'.*nvfp4"):
+        qdot_general(x, w, DN, "nvfp5")
+    with pytest.raises(ValueError, match="recipe nvfp4 uses stochastic rounding: pass key"):
+        qdot_general(x, w, DN, "nvfp4")
+    with pytest.raises(TypeError, match="lhs has dtype int32"):
+        qdot_general(jnp.ones((4, 64), jnp.int32), w, DN, "bf16")
+    with pytest.raises(ValueError, match="differ"):
+        qdot_general(x, w[:32], DN, "bf16")
+    with pytest.raises(ValueError, match="ellipses"):
+        qeinsum("...d,df->...f", x, w)
+
+
+def test_sharded_qdot_equals_unsharded():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = np.array(jax.devices()[:8])
+    assert devices.size == 8, "tests run with 8 simulated CPU devices (tests/conftest.py)"
+    mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
+    x, w, g = data(m=64, k=64, n=32)
+    key = jax.random.key(11)
+    f = jax.jit(run, static_argnums=3)
+    want = f(x, w, g, "nvfp4", key)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    gs = jax.device_put(g, NamedSharding(mesh, P("data", "model")))
+    got = f(xs, ws, gs, "nvfp4", key)
+    assert got[0].sharding.spec == P("data", "model")
+    for a, b in zip(got, want):
+        assert_equal_up_to_sum_order(b, a)
+    # the quantized operands themselves are bit-identical under sharding
+    fq = jax.jit(lambda t: fp4lab.fake_quant(t, "nvfp4", tile=(16, 16)))
+    np.testing.assert_array_equal(np.asarray(fq(ws)), np.asarray(fq(w)))
