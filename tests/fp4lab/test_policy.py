@@ -1,0 +1,95 @@
+"""fp4lab.policy: precedence, depth selectors, presets on 12- and 7-block models, unused rules."""
+
+import pytest
+
+from fp4lab.policy import (Depth, PrecisionPolicy, Rule, all_layers, explain, get_policy,
+                           nemotron3, nvfp4_paper)
+
+
+def hybrid_paths(n):
+    """A Nemotron-H-like model: embeddings, n blocks alternating mamba / attention / mlp."""
+    paths = ["embed"]
+    for i in range(n):
+        mixer = ["mamba", "attn", "mlp"][i % 3]
+        if mixer == "mamba":
+            paths += [f"blocks_{i}/mamba/in_proj", f"blocks_{i}/mamba/out_proj"]
+        elif mixer == "attn":
+            paths += [f"blocks_{i}/attn/qkv", f"blocks_{i}/attn/out"]
+        else:
+            paths += [f"blocks_{i}/mlp/up", f"blocks_{i}/mlp/down"]
+    return paths + ["lm_head"]
+
+
+def by_path(table):
+    return {a.path: a.recipe.name for a in table}
+
+
+@pytest.mark.parametrize("n,tail", [(12, {10, 11}), (7, {5, 6})])
+def test_nemotron3_preset(n, tail):
+    t = by_path(explain(nemotron3(), hybrid_paths(n)))
+    assert t["embed"] == t["lm_head"] == "bf16"
+    for i in range(n):
+        for p in [p for p in t if p.startswith(f"blocks_{i}/")]:
+            if i in tail or "/attn/" in p:
+                assert t[p] == "bf16", p
+            elif p.endswith("mamba/out_proj"):
+                assert t[p] == "mxfp8", p
+            else:
+                assert t[p] == "nvfp4", p
+
+
+def test_nemotron3_ablations():
+    t = by_path(explain(nemotron3(mamba_out=None), hybrid_paths(12)))
+    assert t["blocks_0/mamba/out_proj"] == "nvfp4"
+    t = by_path(explain(nemotron3(bf16_tail=0), hybrid_paths(12)))
+    assert t["blocks_11/mlp/up"] == "nvfp4"
+
+
+@pytest.mark.parametrize("n,bf16_blocks", [(12, {0, 10, 11}), (7, {0, 6}), (62, {0, 1, *range(54, 62)})])
+def test_nvfp4_paper_scales_with_depth(n, bf16_blocks):
+    paths = [f"layers_{i}/mlp/up" for i in range(n)]
+    t = by_path(explain(nvfp4_paper(), paths))
+    assert {i for i in range(n) if t[f"layers_{i}/mlp/up"] == "bf16"} == bf16_blocks
+
+
+def test_first_match_wins_and_kind_and_default():
+    p = PrecisionPolicy(rules=(Rule(recipe="mxfp8", pattern=".*/out_proj"),
+                               Rule(recipe="bf16", pattern="blocks_1/.*"),
+                               Rule(recipe="fp8_hybrid", kind="einsum")),
+                        default="nvfp4")
+    assert p.recipe_for("blocks_1/out_proj").name == "mxfp8"  # first rule wins
+    assert p.recipe_for("blocks_1/in_proj").name == "bf16"
+    assert p.recipe_for("blocks_2/x", kind="einsum").name == "fp8_hybrid"
+    assert p.recipe_for("blocks_2/x", kind="dense").name == "nvfp4"
+    assert p.recipe_for("blocks_11/out_proj_extra").name == "nvfp4"  # fullmatch, not search
+
+
+def test_depth_selectors():
+    d = Depth(first=2, last_fraction=0.15)
+    assert [i for i in range(12) if d.selects(i, 12)] == [0, 1, 10, 11]
+    assert [i for i in range(7) if Depth(last_fraction=0.15).selects(i, 7)] == [5, 6]
+    with pytest.raises(ValueError, match="fractions"):
+        Depth(last_fraction=1.5)
+    with pytest.raises(ValueError, match="num_blocks"):
+        PrecisionPolicy(rules=(Rule(recipe="bf16", depth=Depth(last=1)),)).assign("blocks_3/a")
+
+
+def test_unused_rules_are_reported_and_strict_raises():
+    p = PrecisionPolicy(rules=(Rule(recipe="bf16", pattern=".*/atention/.*"),), name="typo")
+    t = explain(p, hybrid_paths(3))
+    assert t.unused == [0] and "UNUSED rule 0" in str(t)
+    with pytest.raises(ValueError, match="rules matched no layer.*atention"):
+        explain(p, hybrid_paths(3), strict=True)
+    assert "blocks_1/attn/qkv" in str(explain(nemotron3(), hybrid_paths(3)))
+
+
+def test_presets_by_name_and_errors():
+    assert get_policy("nemotron3").name == "nemotron3"
+    assert get_policy("all:mxfp8").recipe_for("anything").name == "mxfp8"
+    assert all_layers("bf16").rules == ()
+    with pytest.raises(ValueError, match="unknown policy 'nemotron4'"):
+        get_policy("nemotron4")
+    with pytest.raises(ValueError, match="unknown recipe 'nvfp9'"):
+        Rule(recipe="nvfp9")
+    with pytest.raises(ValueError, match="not a valid regex"):
+        Rule(recipe="bf16", pattern="(")
