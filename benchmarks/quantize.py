@@ -92,7 +92,7 @@ def main(argv=None):
     for label, (fmt, fn) in peers(x).items():
         rows.append((fmt, label, timeit(fn, x, reps=args.reps) / copy))
     rows.sort(key=lambda r: (r[0], r[2]))
-    print(f"\n| format | implementation | time / copy |\n|---|---|---|")
+    print("\n| format | implementation | time / copy |\n|---|---|---|")
     for fmt, label, r in rows:
         print(f"| {fmt} | {label} | {r:.2f}x |")
 

@@ -235,12 +235,10 @@ def _quantize_blocks(x, fmt: Format, g: _Geometry, rounding, key, global_amax) -
     v = xb * mult
     if rounding == "stochastic":
         q = rnd.round_stochastic(v, elem, rnd.uniform(key, v.shape))
-        if elem.kind == "int":
-            q = jnp.where(q == 0, 0.0, q)  # integers have no -0
     else:
         q = scheme.round_nearest(v, elem)
-        if elem.kind == "int":
-            q = jnp.where(q == 0, 0.0, q)
+    if elem.kind == "int":
+        q = jnp.where(q == 0, 0.0, q)  # integers have no -0
     return _Blocks(v, q, scale, tensor_amax)
 
 

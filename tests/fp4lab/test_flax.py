@@ -1,7 +1,6 @@
 """fp4lab.flax: quantize_model on unmodified Linen and NNX models equals a hand-built twin."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
