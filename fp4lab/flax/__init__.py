@@ -15,6 +15,7 @@ gives every layer and every call its own key.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 import jax
@@ -166,7 +167,9 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int
         parent = model
         for p in path[:-1]:
             parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-        q = QLinear.from_linear(m, recipe, seed=hash((seed, path)) & 0x7FFFFFFF)
+        # a stable per-layer seed (Python's hash() of strings changes between processes)
+        layer_seed = zlib.crc32(f"{seed}/{'/'.join(map(str, path))}".encode()) & 0x7FFFFFFF
+        q = QLinear.from_linear(m, recipe, seed=layer_seed)
         if isinstance(path[-1], int):
             parent[path[-1]] = q
         else:
