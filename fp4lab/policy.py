@@ -141,11 +141,12 @@ class ExplainTable(list):
     def __str__(self):
         w = max([len(a.path) for a in self] + [5])
         lines = [f"policy {self.policy.name}: {len(self)} layers",
-                 f"{'layer'.ljust(w)}  {'block':>5}  {'recipe':16s}  rule"]
+                 f"{'layer'.ljust(w)}  {'kind':13s}  {'block':>5}  {'recipe':16s}  rule"]
         for a in self:
             rule = "default" if a.rule is None else self.policy.rules[a.rule].label()
             blk = "-" if a.block is None else str(a.block)
-            lines.append(f"{a.path.ljust(w)}  {blk:>5}  {a.recipe.name:16s}  {rule}")
+            lines.append(f"{a.path.ljust(w)}  {a.kind or '-':13s}  {blk:>5}  "
+                         f"{a.recipe.name:16s}  {rule}")
         for i in self.unused:
             lines.append(f"UNUSED rule {i}: {self.policy.rules[i].label()}")
         return "\n".join(lines)

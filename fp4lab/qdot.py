@@ -32,12 +32,44 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4lab.hadamard import rht
+from fp4lab.metrics import METRIC_NAMES, quant_metrics
 from fp4lab.quantize import dequantize, fake_quant, quantize
 from fp4lab.recipe import OperandQuant, Recipe, get_recipe
 
-__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys"]
+__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "OPERANDS",
+           "probe_zeros", "probe_table"]
 
-_OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+OPERANDS = _OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+
+
+def probe_zeros() -> jax.Array:
+    """The ``probe`` argument of :func:`qdot_general`: zeros of shape (6 operands, metrics).
+
+    Differentiate the loss with respect to it and its "gradient" is the numerics of every GEMM
+    operand of that step: row ``i`` holds :data:`fp4lab.metrics.METRIC_NAMES` for operand
+    ``OPERANDS[i]`` (the gradient operands measured on the step's real gradients); NaN rows are
+    operands the recipe does not quantize (the backward of QAT recipes)."""
+    return jnp.zeros((len(_OPERANDS), len(METRIC_NAMES)), jnp.float32)
+
+
+def probe_table(probe_grad) -> dict[str, dict[str, float]]:
+    """``{operand: {metric: value}}`` from a probe's gradient (host values)."""
+    import numpy as np
+
+    a = np.asarray(probe_grad)
+    return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(_OPERANDS)}
+
+
+def _operand_metrics(x, op: OperandQuant, axis: int, key, signs) -> jax.Array:
+    """The metrics row of one operand, quantized exactly as :func:`quantize_operand` does."""
+    if op.hadamard:
+        x = rht(x, axis, op.hadamard, signs)
+    m = quant_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+                      tile=op.tile, rounding=op.rounding, key=key)
+    return jnp.stack([m[k] for k in METRIC_NAMES])
+
+
+_NOT_QUANTIZED = jnp.full((len(METRIC_NAMES),), jnp.nan, jnp.float32)
 _BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N)
 _BMN_BKN = (((2,), (2,)), ((0,), (0,)))  # (B,M,N) x (B,K,N) -> (B,M,K)
 _BMK_BMN = (((1,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,M,N) -> (B,K,N)
@@ -150,27 +182,49 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw):
     return dx, _mm(xq3, dyq3, _BMK_BMN)
 
 
+def _forward_probes(x, w, keys, recipe: Recipe):
+    s = recipe.hadamard_signs
+    return jnp.stack([_operand_metrics(x, recipe.fprop_x, -1, keys["fprop_x"], s),
+                      _operand_metrics(w, recipe.fprop_w, 1, keys["fprop_w"], s)])
+
+
+def _backward_probes(x, w, dy, keys, recipe: Recipe):
+    if recipe.backward == "ste":
+        return jnp.stack([_NOT_QUANTIZED] * 4)
+    s = recipe.hadamard_signs
+    return jnp.stack([_operand_metrics(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s),
+                      _operand_metrics(w, recipe.dgrad_w, -1, keys["dgrad_w"], s),
+                      _operand_metrics(x, recipe.wgrad_x, 1, keys["wgrad_x"], s),
+                      _operand_metrics(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s)])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qdot(plan: _Plan, recipe: Recipe, out_dtype, lhs, rhs, key):
+def _qdot(plan: _Plan, recipe: Recipe, out_dtype, lhs, rhs, key, probe):
     x, w = _to_canon(lhs, rhs, plan)
     y = _forward(x, w, operand_keys(key), recipe)[0]
     return y.reshape(plan.out_shape).astype(out_dtype)
 
 
-def _qdot_fwd(plan, recipe, out_dtype, lhs, rhs, key):
+def _qdot_fwd(plan, recipe, out_dtype, lhs, rhs, key, probe):
     x, w = _to_canon(lhs, rhs, plan)
-    y, xq, wq, qw = _forward(x, w, operand_keys(key), recipe)
-    res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (qw,)
+    keys = operand_keys(key)
+    y, xq, wq, qw = _forward(x, w, keys, recipe)
+    fwd_probes = None if probe is None else _forward_probes(x, w, keys, recipe)
+    res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (
+        qw, fwd_probes)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, res, g):
-    x, w, key, xq, wq, qw = res
+    x, w, key, xq, wq, qw, fwd_probes = res
     b, m, _, n = plan.bmkn
     dy = g.reshape(b, m, n)
-    dx, dw = _backward(x, w, dy, operand_keys(key), recipe, xq, wq, qw)
+    keys = operand_keys(key)
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw)
+    probes = None if fwd_probes is None else jnp.concatenate(
+        [fwd_probes, _backward_probes(x, w, dy, keys, recipe)])
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
-            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None)
+            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes)
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -183,7 +237,7 @@ def _check_operand(name, x):
 
 
 def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
-                 precision=None, preferred_element_type=None, **unused):
+                 probe=None, precision=None, preferred_element_type=None, **unused):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
     Args:
@@ -191,6 +245,8 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       dimension_numbers: as ``lax.dot_general``.
       recipe: a :class:`~fp4lab.recipe.Recipe` or registry name.
       key: PRNG key; required when the recipe uses stochastic rounding.
+      probe: ``None``, or :func:`probe_zeros` to measure the numerics of all six GEMM
+        operands: its gradient is the metrics table (the output does not depend on it).
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
     Extra keyword arguments of ``lax.dot_general`` (``out_sharding``) are accepted so this can
@@ -205,22 +261,41 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          "jax.random key, or an rng stream in Flax)")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    return _qdot(plan, recipe, out_dtype, jnp.asarray(lhs), jnp.asarray(rhs), key)
+    if probe is not None and jnp.shape(probe) != (len(_OPERANDS), len(METRIC_NAMES)):
+        raise ValueError(f"probe has shape {jnp.shape(probe)}; use qdot.probe_zeros() "
+                         f"(shape {(len(_OPERANDS), len(METRIC_NAMES))})")
+    return _qdot(plan, recipe, out_dtype, jnp.asarray(lhs), jnp.asarray(rhs), key, probe)
 
 
-def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *,
-            preferred_element_type=None):
-    """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
-
-    Letters in both inputs and the output are batch dims, letters in both inputs only are
-    contracted; ellipses are not supported."""
+def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str]:
+    """``'...d,df->...f'`` -> ``('Ad', 'df', 'Af')``: explicit letters for the ellipsis dims
+    (right-aligned between the operands, as numpy broadcasting aligns them)."""
     try:
         ins, out = spec.replace(" ", "").split("->")
         sa, sb = ins.split(",")
     except ValueError:
-        raise ValueError(f"qeinsum spec {spec!r} must look like 'bsd,df->bsf'") from None
-    if "." in spec:
-        raise ValueError(f"qeinsum spec {spec!r}: ellipses are not supported")
+        raise ValueError(f"qeinsum spec {spec!r} must look like 'bsd,df->bsf' (two operands "
+                         "and an explicit output)") from None
+    if "." not in spec:
+        return sa, sb, out
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in spec]
+    n = [nd - (len(s) - 3) if "..." in s else 0 for s, nd in ((sa, ndim_a), (sb, ndim_b))]
+    if min(n) < 0:
+        raise ValueError(f"qeinsum spec {spec!r} does not match ranks {ndim_a} and {ndim_b}")
+    letters = "".join(free[:max(n)])
+    sa, sb = (s.replace("...", letters[len(letters) - k:]) for s, k in ((sa, n[0]), (sb, n[1])))
+    return sa, sb, out.replace("...", letters)
+
+
+def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
+            preferred_element_type=None, precision=None, **unused):
+    """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
+
+    Letters in both inputs and the output are batch dims, letters in both inputs only are
+    contracted; ellipses stand for the same dims in every term (no size-1 broadcasting).
+    ``precision`` and extra keywords are accepted so this can serve as a Flax ``einsum_op``."""
+    del precision, unused
+    sa, sb, out = _expand_ellipses(spec, jnp.ndim(a), jnp.ndim(b))
     if len(sa) != jnp.ndim(a) or len(sb) != jnp.ndim(b):
         raise ValueError(f"qeinsum spec {spec!r} does not match shapes {jnp.shape(a)} and "
                          f"{jnp.shape(b)}")
@@ -233,6 +308,7 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *,
     contract = [c for c in sa if c in sb and c not in out]
     dn = ((tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
           (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)))
-    y = qdot_general(a, b, dn, recipe, key=key, preferred_element_type=preferred_element_type)
+    y = qdot_general(a, b, dn, recipe, key=key, probe=probe,
+                     preferred_element_type=preferred_element_type)
     produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
     return jnp.transpose(y, [produced.index(c) for c in out])

@@ -200,8 +200,26 @@ def test_bad_inputs():
         qdot_general(jnp.ones((4, 64), jnp.int32), w, DN, "bf16")
     with pytest.raises(ValueError, match="differ"):
         qdot_general(x, w[:32], DN, "bf16")
-    with pytest.raises(ValueError, match="ellipses"):
-        qeinsum("...d,df->...f", x, w)
+    with pytest.raises(ValueError, match="does not match ranks"):
+        qeinsum("...abc,df->...f", x, w)
+    with pytest.raises(ValueError, match="summed alone"):
+        qeinsum("md,df->m", x, w)
+
+
+def test_qeinsum_ellipses_name_the_same_dims_in_every_term():
+    kx, kw = jax.random.split(jax.random.key(6))
+    x = jax.random.normal(kx, (2, 3, 5, 32))
+    w = jax.random.normal(kw, (32, 16))
+    y = qeinsum("...d,df->...f", x, w, "mxfp8")
+    e = jnp.einsum("...d,df->...f", fp4lab.fake_quant(x, "mxfp8"), fp4lab.fake_quant(w, "mxfp8"),
+                   precision=HI)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(e), rtol=1e-6, atol=1e-5)
+    # an ellipsis on both sides is a batch (the experts' einsum)
+    xe = jax.random.normal(kx, (4, 6, 32))
+    we = jax.random.normal(kw, (4, 32, 8))
+    ye = qeinsum("...td,...df->...tf", xe, we, "fp32")
+    np.testing.assert_allclose(np.asarray(ye), np.asarray(
+        jnp.einsum("etd,edf->etf", xe, we, precision=HI)), rtol=1e-6, atol=1e-5)
 
 
 def test_sharded_qdot_equals_unsharded():
@@ -224,3 +242,56 @@ def test_sharded_qdot_equals_unsharded():
     # the quantized operands themselves are bit-identical under sharding
     fq = jax.jit(lambda t: fp4lab.fake_quant(t, "nvfp4", tile=(16, 16)))
     np.testing.assert_array_equal(np.asarray(fq(ws)), np.asarray(fq(w)))
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def test_probes_report_known_underflow_of_every_operand():
+    # MXFP8 (E4M3, power-of-two scales): in a block whose amax is 1, magnitudes below half the
+    # smallest subnormal 2**-9 * 2**-8 flush to zero. Each 32-block holds one 1.0 and 31 tiny
+    # values, so exactly 31/32 of the nonzero entries underflow along the block axis.
+    from fp4lab.metrics import METRIC_NAMES
+    from fp4lab.qdot import OPERANDS, probe_table, probe_zeros
+
+    tiny = 2.0 ** -20
+    blockish = np.full((64, 64), tiny, np.float32)
+    blockish[:, ::32] = 1.0  # along axis 1: one 1.0 per 32-block
+    x = jnp.asarray(blockish)  # fprop X blocks run along K = axis 1
+    w = jnp.asarray(blockish.T.copy())  # fprop W blocks run along K = axis 0
+    dy = jnp.asarray(blockish)  # dgrad dY blocks run along N = axis 1
+
+    def loss(x, w, probe):
+        return jnp.sum(qdot_general(x, w, DN, "mxfp8", probe=probe) * dy)
+
+    gp = jax.grad(loss, argnums=2)(x, w, probe_zeros())
+    t = probe_table(gp)
+    assert list(t) == list(OPERANDS) and list(t["fprop_x"]) == list(METRIC_NAMES)
+    for op in ("fprop_x", "fprop_w", "dgrad_dy"):
+        assert t[op]["underflow"] == 31 / 32, (op, t[op])
+        assert t[op]["saturation"] == 0.0
+    # wgrad quantizes X and dY along the token axis (axis 0): each column is all 1.0 or all
+    # tiny, so every block is scaled to its own amax and represented exactly
+    for op in ("wgrad_x", "wgrad_dy"):
+        assert t[op]["underflow"] == 0.0 and t[op]["rel_mse"] == 0.0, (op, t[op])
+    # the probe does not change the result or the real gradients
+    g0 = jax.grad(loss, argnums=(0, 1))(x, w, None)
+    g1 = jax.grad(loss, argnums=(0, 1))(x, w, probe_zeros())
+    for a, b in zip(g0, g1):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_probes_of_qat_backward_are_nan_and_bf16_is_exact_for_bf16_inputs():
+    from fp4lab.qdot import probe_table, probe_zeros
+
+    x, w, g = data()
+    loss = lambda p, r: jnp.sum(qdot_general(x, w, DN, r, probe=p) * g)  # noqa: E731
+    t = probe_table(jax.grad(loss)(probe_zeros(), "fp4_qat"))
+    assert all(np.isnan(v) for op in ("dgrad_dy", "wgrad_dy") for v in t[op].values())
+    assert t["fprop_w"]["rel_mse"] > 0
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    tb = probe_table(jax.grad(lambda p: jnp.sum(qdot_general(xb, wb, DN, "bf16", probe=p)))(
+        probe_zeros()))
+    assert tb["fprop_x"]["rel_mse"] == 0 and tb["fprop_x"]["underflow"] == 0
+    with pytest.raises(ValueError, match="probe has shape"):
+        qdot_general(x, w, DN, "bf16", probe=jnp.zeros(3))

@@ -1,0 +1,210 @@
+"""Linen layers whose GEMMs follow a recipe, and the interceptor behind ``quantize_model``.
+
+:class:`QDense`, :class:`QDenseGeneral` and :class:`QEinsum` subclass the Flax layers and keep
+their parameters. :class:`QuantizedLinen` wraps an unmodified model: its ``apply`` intercepts
+every ``nn.Dense`` and ``nn.DenseGeneral`` (through their ``dot_general`` hook) and ``nn.Einsum``
+(computed with :func:`~fp4lab.qdot.qeinsum`, which keeps the input as X and the kernel as W;
+``jnp.einsum`` may swap its operands, which would swap the recipe's roles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from fp4lab.policy import PrecisionPolicy, explain
+from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
+from fp4lab.recipe import Recipe, get_recipe
+
+__all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers", "KINDS"]
+
+
+
+def _linen_key(module: nn.Module, recipe: Recipe):
+    if not recipe.needs_key:
+        return None
+    if not module.has_rng("quant"):
+        if module.is_initializing():  # init's outputs only fix shapes; any key will do
+            return jax.random.key(0)
+        raise ValueError(f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
+                         "stochastic rounding: pass rngs={'quant': key} to apply")
+    return module.make_rng("quant")
+
+
+def _linen_probe(module: nn.Module):
+    """The layer's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed one."""
+    if module.has_variable("probes", "gemm"):
+        return module.get_variable("probes", "gemm")
+    return None
+
+
+@contextlib.contextmanager
+def _dot_general_hook(module: nn.Module, recipe: Recipe):
+    """Route a Linen ``Dense``/``DenseGeneral``'s ``dot_general`` through ``qdot_general`` for
+    the duration of one call (Linen modules are frozen dataclasses; the hook is restored)."""
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    **unused):
+        return qdot_general(lhs, rhs, dimension_numbers, recipe,
+                            key=_linen_key(module, recipe), probe=_linen_probe(module),
+                            preferred_element_type=preferred_element_type)
+
+    saved = module.dot_general, module.dot_general_cls
+    object.__setattr__(module, "dot_general", dot_general)
+    object.__setattr__(module, "dot_general_cls", None)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "dot_general", saved[0])
+        object.__setattr__(module, "dot_general_cls", saved[1])
+
+
+def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None):
+    """``nn.Einsum.__call__`` with the product through ``qeinsum`` (inputs = X, kernel = W)."""
+    spec = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    bias = None
+    if module.use_bias:
+        bias_shape, broadcast_shape = module._get_bias_shape(spec, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
+                probe=_linen_probe(module), preferred_element_type=module.preferred_element_type)
+    return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
+
+
+class QDense(nn.Dense):
+    """``nn.Dense`` whose three GEMMs follow ``recipe`` (parameters ``kernel``, ``bias``)."""
+
+    recipe: str | Recipe = "bf16"
+
+    def __call__(self, inputs):
+        with _dot_general_hook(self, get_recipe(self.recipe)):
+            return super().__call__(inputs)
+
+
+class QDenseGeneral(nn.DenseGeneral):
+    """``nn.DenseGeneral`` (any contracting axes, batch dims) whose GEMMs follow ``recipe``."""
+
+    recipe: str | Recipe = "bf16"
+
+    def __call__(self, inputs):
+        with _dot_general_hook(self, get_recipe(self.recipe)):
+            return super().__call__(inputs)
+
+
+class QEinsum(nn.Einsum):
+    """``nn.Einsum`` whose GEMMs follow ``recipe``; the input plays X, the kernel W."""
+
+    recipe: str | Recipe = "bf16"
+
+    @nn.compact
+    def __call__(self, inputs, einsum_str: str | None = None):
+        return _linen_einsum(self, get_recipe(self.recipe), inputs, einsum_str)
+
+
+def _hooked_call(module, recipe, next_fun, args, kwargs):
+    with _dot_general_hook(module, recipe):
+        return next_fun(*args, **kwargs)
+
+
+def _einsum_call(module, recipe, next_fun, args, kwargs):
+    return _linen_einsum(module, recipe, *args, **kwargs)
+
+
+# Linen layer type (exact: subclasses, fp4lab's Q-layers included, are left alone)
+# -> (kind, how an intercepted call is quantized)
+HANDLERS = {nn.Dense: ("dense", _hooked_call), nn.DenseGeneral: ("densegeneral", _hooked_call),
+            nn.Einsum: ("einsum", _einsum_call)}
+KINDS = {cls: kind for cls, (kind, _) in HANDLERS.items()}
+
+
+@dataclasses.dataclass
+class QuantizedLinen:
+    """A Linen model whose ``Dense``/``DenseGeneral``/``Einsum`` calls follow a policy;
+    ``init``/``apply`` as the model's. ``num_blocks`` feeds depth rules (default: inferred
+    from the parameter paths)."""
+
+    model: nn.Module
+    policy: PrecisionPolicy
+    num_blocks: int | None = None
+
+    def init(self, *args, **kwargs):
+        return self.model.init(*args, **kwargs)
+
+    def _num_blocks(self, variables):
+        return self.num_blocks or self.policy.infer_num_blocks(
+            p for p, _ in param_layers(variables))
+
+    def apply(self, variables, *args, **kwargs):
+        num_blocks = self._num_blocks(variables)
+
+        def intercept(next_fun, args, kwargs, context):
+            m = context.module
+            kind, call = HANDLERS.get(type(m), (None, None))
+            if context.method_name != "__call__" or kind is None or m.is_initializing():
+                return next_fun(*args, **kwargs)
+            recipe = self.policy.recipe_for("/".join(m.scope.path), kind, num_blocks)
+            return call(m, recipe, next_fun, args, kwargs)
+
+        with nn.intercept_methods(intercept):
+            return self.model.apply(variables, *args, **kwargs)
+
+    def layers(self, variables, *args, **kwargs) -> list[tuple[str, str]]:
+        """``(path, kind)`` of every layer the policy governs, in call order, found by
+        tracing ``apply`` abstractly (no computation) with the given inputs."""
+        found: dict[str, str] = {}
+
+        def record(next_fun, args, kwargs, context):
+            kind = KINDS.get(type(context.module))
+            if context.method_name == "__call__" and kind is not None:
+                found.setdefault("/".join(context.module.scope.path), kind)
+            return next_fun(*args, **kwargs)
+
+        def run(variables, *args):
+            with nn.intercept_methods(record):
+                return self.model.apply(variables, *args, **kwargs)
+
+        jax.eval_shape(run, variables, *args)
+        return list(found.items())
+
+    def probe_zeros(self, variables, *args, **kwargs) -> dict:
+        """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.qdot.probe_zeros`
+        per governed layer. Pass ``{**variables, "probes": probes}`` and differentiate the loss
+        with respect to ``probes``: its gradient holds every layer's GEMM-operand numerics
+        (rows: ``fp4lab.qdot.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
+        out: dict = {}
+        for path, _ in self.layers(variables, *args, **kwargs):
+            d = out
+            for part in path.split("/"):
+                d = d.setdefault(part, {})
+            d["gemm"] = probe_zeros()
+        return out
+
+    def explain(self, variables, *args, strict: bool = False, **kwargs):
+        """:func:`~fp4lab.policy.explain` over :meth:`layers` (true paths and kinds)."""
+        return explain(self.policy, self.layers(variables, *args, **kwargs),
+                       num_blocks=self._num_blocks(variables), strict=strict)
+
+
+
+
+def param_layers(variables) -> list[tuple[str, None]]:
+    """``(path, None)`` for every sub-dict of Linen variables holding a ``kernel`` of rank >= 2
+    (the module types are not in the params: :meth:`QuantizedLinen.layers` finds them)."""
+    params = variables.get("params", variables)
+    out = []
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                if "kernel" in v and getattr(v["kernel"], "ndim", 0) >= 2:
+                    out.append(("/".join(prefix + [k]), None))
+                walk(v, prefix + [k])
+
+    walk(params, [])
+    return out

@@ -1,0 +1,80 @@
+"""NNX layers whose GEMMs follow a recipe, and the hooks ``quantize_model`` installs.
+
+NNX's ``Linear``/``LinearGeneral`` call ``self.dot_general`` and ``Einsum`` calls
+``self.einsum_op``; :class:`QuantDot` and :class:`QuantEinsum` are drop-in replacements that
+carry a recipe and their own SR rng stream, so quantizing a layer never touches its Params.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.recipe import Recipe, get_recipe
+
+__all__ = ["QuantDot", "QuantEinsum", "QLinear", "QLinearGeneral", "QEinsum", "HOOKS", "KINDS"]
+
+
+
+class QuantDot(nnx.Module):
+    """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``; stochastic
+    rounding draws from its own ``quant`` stream (from ``rngs.quant`` if given, else ``seed``)."""
+
+    def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0):
+        self.recipe = get_recipe(recipe)
+        self.rngs = nnx.Rngs(quant=rngs.quant() if rngs is not None and "quant" in rngs
+                             else seed)
+
+    def _key(self):
+        return self.rngs.quant() if self.recipe.needs_key else None
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **unused):
+        return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
+                            preferred_element_type=preferred_element_type)
+
+
+class QuantEinsum(QuantDot):
+    """A drop-in ``einsum_op`` for ``nnx.Einsum`` (the input plays X, the kernel W)."""
+
+    def __call__(self, spec, a, b, precision=None, preferred_element_type=None, **unused):
+        return qeinsum(spec, a, b, self.recipe, key=self._key(),
+                       preferred_element_type=preferred_element_type)
+
+
+class QLinear(nnx.Linear):
+    """``nnx.Linear`` whose three GEMMs follow ``recipe``; SR keys from ``rngs.quant``."""
+
+    def __init__(self, in_features, out_features, *, recipe: str | Recipe = "bf16",
+                 rngs: nnx.Rngs, **kwargs):
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs))
+
+
+class QLinearGeneral(nnx.LinearGeneral):
+    """``nnx.LinearGeneral`` whose GEMMs follow ``recipe``."""
+
+    def __init__(self, in_features, out_features, *, recipe: str | Recipe = "bf16",
+                 rngs: nnx.Rngs, **kwargs):
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs))
+
+
+class QEinsum(nnx.Einsum):
+    """``nnx.Einsum`` whose GEMMs follow ``recipe`` (the input plays X, the kernel W)."""
+
+    def __init__(self, einsum_str, kernel_shape, bias_shape=None, *,
+                 recipe: str | Recipe = "bf16", rngs: nnx.Rngs, **kwargs):
+        super().__init__(einsum_str, kernel_shape, bias_shape, rngs=rngs, **kwargs)
+        self.einsum_op = nnx.data(QuantEinsum(recipe, rngs=rngs))
+
+
+# NNX layer type (exact) -> (kind, the hook attribute it calls, the op that replaces it)
+HOOKS = {nnx.Linear: ("linear", "dot_general", QuantDot),
+        nnx.LinearGeneral: ("lineargeneral", "dot_general", QuantDot),
+        nnx.Einsum: ("einsum", "einsum_op", QuantEinsum)}
+# every layer type a policy governs (fp4lab's own layers included) -> kind
+KINDS = {QLinear: "linear", QLinearGeneral: "lineargeneral", QEinsum: "einsum",
+         **{cls: v[0] for cls, v in HOOKS.items()}}
+
+
