@@ -8,7 +8,8 @@
 * ``underflow_all``: the same count over *all* elements (the denominator of TE's debug
   feature), for comparison with TE logs.
 * ``saturation``: ``count(|x * enc| > max_elem) / count(x)``, measured before clipping.
-* ``rel_mse``: ``||x - x̂||² / ||x||²``; ``sqnr_db``: ``20 log10(||x|| / ||x - x̂||)`` (inf
+* ``mse``: ``||x - x̂||² / n`` (absolute; the quantity TE's debug features threshold);
+  ``rel_mse``: ``||x - x̂||² / ||x||²``; ``sqnr_db``: ``20 log10(||x|| / ||x - x̂||)`` (inf
   when exact).
 * ``bad_scales``: fraction of blocks whose stored scale is zero or subnormal (E4M3, FP16,
   FP32 scales) or clamped at 2**-127 (E8M0): "scale health".
@@ -28,11 +29,12 @@ from fp4lab.quantize import _dequantize_blocks, _from_blocks, _quantize_blocks, 
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
-METRIC_NAMES = ("underflow", "underflow_all", "saturation", "rel_mse", "sqnr_db", "bad_scales")
+METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "sqnr_db",
+                "bad_scales")
 
 
 def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
-    """Underflow, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32)."""
+    """Underflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.float32)
     nonzero = x != 0
@@ -42,6 +44,7 @@ def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
     return {
         "underflow": flushed / jnp.maximum(jnp.sum(nonzero, dtype=jnp.float32), 1.0),
         "underflow_all": flushed / max(x.size, 1),
+        "mse": noise / max(x.size, 1),
         "rel_mse": noise / signal,
         "sqnr_db": 10.0 * (jnp.log10(signal) - jnp.log10(noise)),
     }

@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "explain", "PRESETS",
-           "get_policy", "nemotron3", "nvfp4_paper", "all_layers"]
+           "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
+           "policy_from_dict"]
 
 DEFAULT_BLOCK_PATTERN = r"(?:^|/)(?:blocks?|layers?|h)[_/]?(\d+)(?:/|$)"
 
@@ -233,3 +234,35 @@ def get_policy(name: str | PrecisionPolicy) -> PrecisionPolicy:
         if name in PRESETS:
             return PRESETS[name]()
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(PRESETS)}, all:<recipe>")
+
+
+# ----------------------------------------------------------------------------- serialization
+
+
+def policy_to_dict(policy: PrecisionPolicy) -> dict:
+    """A JSON-able description of ``policy`` (recipes by registry name)."""
+    from fp4lab.recipe import RECIPES
+
+    def recipe_name(r: Recipe) -> str:
+        if RECIPES.get(r.name) != r:
+            raise ValueError(f"recipe {r.name!r} is not the registry's; only registered "
+                             "recipes can be serialized")
+        return r.name
+
+    return {"name": policy.name, "default": recipe_name(policy.default),
+            "block_pattern": policy.block_pattern,
+            "rules": [{"recipe": recipe_name(r.recipe), "pattern": r.pattern, "kind": r.kind,
+                       "name": r.name,
+                       "depth": dataclasses.asdict(r.depth) if r.depth else None}
+                      for r in policy.rules]}
+
+
+def policy_from_dict(d: dict) -> PrecisionPolicy:
+    """The inverse of :func:`policy_to_dict`."""
+    rules = tuple(Rule(recipe=r["recipe"], pattern=r.get("pattern", ".*"), kind=r.get("kind"),
+                       name=r.get("name", ""),
+                       depth=Depth(**r["depth"]) if r.get("depth") else None)
+                  for r in d.get("rules", ()))
+    return PrecisionPolicy(rules=rules, default=d.get("default", "bf16"),
+                           block_pattern=d.get("block_pattern", DEFAULT_BLOCK_PATTERN),
+                           name=d.get("name", "custom"))

@@ -70,3 +70,4 @@ def test_metrics_jit_and_match_fake_quant():
     y = fp4lab.fake_quant(x, "mxfp4")
     rel = float(jnp.sum((x - y) ** 2) / jnp.sum(x**2))
     assert float(m["rel_mse"]) == pytest.approx(rel, rel=1e-5)
+    assert float(m["mse"]) == pytest.approx(float(jnp.mean((x - y) ** 2)), rel=1e-5)
