@@ -1,0 +1,78 @@
+"""experiments.model and experiments.data: shapes, causality, the corpus, bad configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.data import load_text, stdlib_files
+from experiments.model import HybridLM, ModelConfig
+
+CFG = ModelConfig(pattern="M*-", d_model=32, num_heads=2, ssm_state=8, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    model = HybridLM(CFG)
+    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
+    return model, model.init(jax.random.key(1), tokens), tokens
+
+
+def test_shapes_and_parameter_paths(model_and_params):
+    model, params, tokens = model_and_params
+    logits, mtp = model.apply(params, tokens)
+    assert logits.shape == mtp.shape == (2, 24, 256) and logits.dtype == jnp.float32
+    p = params["params"]
+    assert set(p["blocks_0"]["mamba"]) >= {"in_proj", "out_proj", "conv_kernel", "A_log"}
+    assert set(p["blocks_1"]["attention"]) == {"qkv", "out"}
+    assert set(p["blocks_2"]["mlp"]) == {"up", "down"}
+    assert {"embed", "head", "mtp_proj", "mtp_head"} <= set(p)
+
+
+def test_a_later_token_never_changes_an_earlier_output(model_and_params):
+    model, params, tokens = model_and_params
+    f = jax.jit(model.apply)
+    base, _ = f(params, tokens)
+    for t in (0, 7, 23):
+        changed = tokens.at[:, t].set((tokens[:, t] + 1) % 256)
+        out, _ = f(params, changed)
+        np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
+        assert not np.array_equal(np.asarray(out[:, t]), np.asarray(base[:, t]))
+
+
+def test_selective_scan_matches_a_sequential_loop():
+    # the associative scan equals the recurrence h_t = a_t h_{t-1} + b_t step by step
+    from experiments.model import _ssm_combine
+
+    a = jax.random.uniform(jax.random.key(0), (2, 9, 3))
+    b = jax.random.normal(jax.random.key(1), (2, 9, 3))
+    _, h = jax.lax.associative_scan(_ssm_combine, (a, b), axis=1)
+    ref, acc = [], jnp.zeros((2, 3))
+    for t in range(9):
+        acc = a[:, t] * acc + b[:, t]
+        ref.append(acc)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(jnp.stack(ref, 1)), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_bad_model_configs():
+    with pytest.raises(ValueError, match=r"unknown block kind\(s\) \['X'\]"):
+        ModelConfig(pattern="M-X")
+    with pytest.raises(ValueError, match="num_heads"):
+        ModelConfig(d_model=30, num_heads=4)
+
+
+def test_corpus_is_the_stdlib_split_by_file_and_deterministic(corpus_dir):
+    files = stdlib_files()
+    assert files == sorted(files) and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    a = load_text([corpus_dir], val_fraction=0.3)
+    b = load_text([corpus_dir], val_fraction=0.3)
+    np.testing.assert_array_equal(a.train, b.train)
+    assert a.files[0] >= 1 and a.files[1] >= 1
+    ba, bb = a.batch(0, 5, 4, 16), b.batch(0, 5, 4, 16)
+    np.testing.assert_array_equal(ba.tokens, bb.tokens)
+    assert ba.tokens.shape == (4, 17)
+    assert not np.array_equal(a.batch(0, 6, 4, 16).tokens, ba.tokens)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text(["/no/such/folder"])
