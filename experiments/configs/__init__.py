@@ -1,0 +1,61 @@
+"""Experiment configs: ml_collections files with a ``get_config()``, plus ``key=value``
+overrides from the command line (``train.steps=300``, ``data.paths=('a.txt',)``,
+``precision.policy=nemotron3``). Values are parsed as Python literals when they parse, else
+kept as strings; an override of a key the config does not have is an error."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import ml_collections
+
+__all__ = ["load_config", "apply_overrides", "CONFIG_DIR"]
+
+CONFIG_DIR = Path(__file__).parent
+
+
+def _load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"fp4lab_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
+    for item in overrides or ():
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. train.steps=300)")
+        key, raw = item.split("=", 1)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        node, parts = config, key.split(".")
+        for p in parts[:-1]:
+            if p not in node:
+                raise KeyError(f"override {item!r}: the config has no {p!r} (in {key!r})")
+            node = node[p]
+        if parts[-1] not in node:
+            raise KeyError(f"override {item!r}: the config has no {key!r}; known here: "
+                           f"{', '.join(sorted(node.keys()))}")
+        old = node[parts[-1]]
+        if isinstance(old, float) and isinstance(value, int):
+            value = float(value)
+        if isinstance(old, tuple) and isinstance(value, (list, str)):
+            value = tuple(value) if isinstance(value, list) else (value,)
+        node[parts[-1]] = value
+    return config
+
+
+def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
+    """``get_config()`` of the config file ``path`` (or a name in experiments/configs/),
+    with ``overrides`` applied."""
+    path = Path(path)
+    if not path.exists() and (CONFIG_DIR / f"{path}.py").exists():
+        path = CONFIG_DIR / f"{path}.py"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem[0] != "_"))
+        raise FileNotFoundError(f"config {str(path)!r} not found (configs here: {known})")
+    return apply_overrides(_load_module(path).get_config(), overrides)

@@ -1,0 +1,30 @@
+"""One training run of the hybrid LM (the base of every sweep); sized for 2 CPU cores."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "run"
+    c.seed = 0
+    c.compile_cache = ""  # a folder for JAX's persistent compilation cache ("" = off)
+
+    c.model = ml_collections.ConfigDict(dict(
+        pattern="M-M*M-",  # Nemotron-H letters: M Mamba-2, * attention, - MLP
+        d_model=64, vocab=256, num_heads=4, mlp_mult=4, ssm_expand=2, ssm_head_dim=16,
+        ssm_state=16, conv_width=4, mtp=False, dtype="bfloat16"))
+
+    c.data = ml_collections.ConfigDict(dict(
+        paths=(),  # files/folders of text; () = the Python standard library's sources
+        seq_len=128, batch_size=8, val_fraction=0.1, val_batches=4))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=150, lr=3e-3, min_lr_ratio=0.1, warmup=15, schedule="cosine",  # or "wsd"
+        decay_fraction=0.2,  # WSD: the final linear decay
+        weight_decay=0.1, b1=0.9, b2=0.95, clip=1.0, mtp_weight=0.3,
+        log_every=10, eval_every=0, ckpt_every=50,
+        bf16_last_fraction=0.0))  # the late precision switch: last fraction of steps in BF16
+
+    c.precision = ml_collections.ConfigDict(dict(policy="nemotron3"))
+    c.probes = ml_collections.ConfigDict(dict(every=25, fused=True))
+    return c

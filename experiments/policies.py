@@ -1,0 +1,50 @@
+"""Named precision policies for experiments (parsed once, at the config boundary).
+
+``get(name)`` accepts:
+
+* the sweep's names: ``bf16``, ``nvfp4``, ``nemotron3``, ``nemotron3_no_mxfp8`` (Mamba
+  out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
+  ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
+  recipe name (every layer in that recipe);
+* anything ``fp4lab.policy.get_policy`` accepts (``nvfp4_paper``, ``all:<recipe>``);
+* ``file:<path.json>``: a policy written by ``experiments.auto_assign`` (or
+  ``fp4lab.policy.policy_to_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fp4lab.policy import PrecisionPolicy, all_layers, get_policy, nemotron3, policy_from_dict
+from fp4lab.recipe import RECIPES
+
+__all__ = ["get", "NAMED"]
+
+NAMED = {
+    "nemotron3": lambda: nemotron3(),
+    "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
+    "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),
+}
+
+
+def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
+    if isinstance(name, PrecisionPolicy):
+        return name
+    if name in NAMED:
+        policy = NAMED[name]()
+        return PrecisionPolicy(rules=policy.rules, default=policy.default, name=name,
+                               block_pattern=policy.block_pattern)
+    if name in RECIPES:
+        return all_layers(name)
+    if name.startswith("file:"):
+        path = Path(name[5:])
+        if not path.exists():
+            raise FileNotFoundError(f"policy file {str(path)!r} does not exist")
+        return policy_from_dict(json.loads(path.read_text()))
+    try:
+        return get_policy(name)
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(NAMED)}, any recipe "
+                         f"({', '.join(RECIPES)}), nvfp4_paper, all:<recipe>, "
+                         "file:<policy.json>") from None

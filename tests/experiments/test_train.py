@@ -1,0 +1,140 @@
+"""experiments.train: learning, bit-exact resume, NaN stop, late precision switch, bad configs."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from experiments import policies
+from experiments.data import Batch
+from experiments.train import TrainingDiverged, read_jsonl, train
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.slow
+def test_resume_after_an_interruption_is_bit_exact(tiny, text, tmp_path):
+    tiny.precision.policy = "nvfp4"  # stochastic rounding in the backward pass
+    full = train(tiny, tmp_path / "full", data=text, progress=False)
+    assert full["status"] == "ok" and full["final_train_loss"] < 5.5
+
+    class Interrupted(Exception):
+        pass
+
+    @dataclasses.dataclass
+    class Stops(type(text)):
+        stop_at: int = 10**9
+
+        def batch(self, seed, step, batch_size, seq_len):
+            if step == self.stop_at:
+                raise Interrupted
+            return super().batch(seed, step, batch_size, seq_len)
+
+    data = Stops(text.train, text.val, text.files, text.source, stop_at=9)
+    with pytest.raises(Interrupted):  # dies after the step-6 checkpoint
+        train(tiny, tmp_path / "resumed", data=data, progress=False)
+    assert max(s for s, _ in losses(tmp_path / "resumed")) >= 6
+    data.stop_at = 10**9
+    resumed = train(tiny, tmp_path / "resumed", data=data, progress=False)
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
+    assert resumed["val_loss"] == full["val_loss"]
+    assert resumed["probe_summary"] == full["probe_summary"]
+    assert (tmp_path / "full" / "tb").is_dir()
+    assert json.loads((tmp_path / "full" / "result.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_nan_in_the_batch_stops_cleanly_with_the_last_good_state(tiny, text, tmp_path):
+    @dataclasses.dataclass
+    class Poisoned(type(text)):
+        def batch(self, seed, step, batch_size, seq_len):
+            b = super().batch(seed, step, batch_size, seq_len)
+            w = b.weights.copy()
+            if step == 5:
+                w[0, 0] = np.nan
+            return Batch(b.tokens, w)
+
+    data = Poisoned(text.train, text.val, text.files, text.source)
+    tiny.precision.policy = "bf16"
+    with pytest.raises(TrainingDiverged, match="non-finite at step 5"):
+        train(tiny, tmp_path / "run", data=data, progress=False)
+    recorded = losses(tmp_path / "run")
+    assert [s for s, _ in recorded][:5] == [0, 1, 2, 3, 4]
+    assert all(np.isfinite(v) for s, v in recorded if s < 5)
+    assert (tmp_path / "run" / "ckpt" / "5").is_dir()  # the state before step 5
+
+
+@pytest.mark.slow
+def test_late_precision_switch_runs_the_last_steps_in_bf16(tiny, text, tmp_path):
+    tiny.train.steps = 6
+    tiny.train.ckpt_every = 0
+    tiny.probes.every = 0
+    tiny.precision.policy = "bf16"
+    bf16 = losses_of = train(tiny, tmp_path / "bf16", data=text, progress=False)
+    tiny.precision.policy = "mxfp4"
+    tiny.train.bf16_last_fraction = 1.0  # every step in BF16: identical to the bf16 run
+    switched = train(tiny, tmp_path / "switched", data=text, progress=False)
+    assert losses(tmp_path / "switched") == losses(tmp_path / "bf16")
+    assert switched["val_loss"] == bf16["val_loss"] == losses_of["val_loss"]
+    tiny.train.bf16_last_fraction = 0.5  # first half in MXFP4: the curves part at step 0
+    half = train(tiny, tmp_path / "half", data=text, progress=False)
+    assert losses(tmp_path / "half")[0] != losses(tmp_path / "bf16")[0]
+    assert half["status"] == "ok"
+
+
+def test_bad_configs_fail_with_clear_errors(tiny, text, tmp_path):
+    bad = tiny.copy_and_resolve_references()
+    bad.precision.policy = "nvfp5"
+    with pytest.raises(ValueError, match="unknown policy 'nvfp5'; known: nemotron3"):
+        train(bad, tmp_path / "a", data=text, progress=False)
+    bad = tiny.copy_and_resolve_references()
+    bad.model.pattern = "M?-"
+    with pytest.raises(ValueError, match="unknown block kind"):
+        train(bad, tmp_path / "b", data=text, progress=False)
+    bad = tiny.copy_and_resolve_references()
+    bad.data.seq_len = 10**8
+    with pytest.raises(ValueError, match="seq_len=100000000 does not fit the corpus"):
+        train(bad, tmp_path / "c", data=text, progress=False)
+    bad = tiny.copy_and_resolve_references()
+    bad.data.paths = ("/no/such/corpus",)
+    with pytest.raises(FileNotFoundError, match="/no/such/corpus"):
+        train(bad, tmp_path / "d", progress=False)
+    bad = tiny.copy_and_resolve_references()
+    bad.data.batch_size = 7
+    with pytest.raises(ValueError, match="batch_size=7 is not divisible"):
+        train(bad, tmp_path / "e", data=text, progress=False)
+
+
+def test_named_policies_resolve():
+    assert policies.get("nemotron3_no_mxfp8").name == "nemotron3_no_mxfp8"
+    assert not any("mamba" in r.label() for r in policies.get("nemotron3_no_mxfp8").rules)
+    assert not any(r.depth for r in policies.get("nemotron3_no_tail").rules)
+    assert policies.get("nvfp4_no_rht").default.name == "nvfp4_no_rht"
+    assert policies.get("all:mxfp8").default.name == "mxfp8"
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny, text):
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.model import HybridLM
+    from experiments.train import TrainState, make_optimizer, make_step, model_config
+    from fp4lab.flax import quantize_model
+
+    model = HybridLM(model_config(tiny))
+    b = text.batch(0, 0, 8, tiny.data.seq_len)
+    params = model.init(jax.random.key(0), jnp.asarray(b.tokens[:, :-1]))["params"]
+    tiny.train.lr, tiny.train.warmup = 1e-2, 1
+    tx, sched = make_optimizer(tiny.train)
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                       bad_step=jnp.int32(-1))
+    step = make_step(quantize_model(model, "nemotron3"), tx, sched, 0, 0.0, False)
+    seen = []
+    for _ in range(8):
+        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+        seen.append(float(m["loss"]))
+    assert seen[-1] < seen[0] - 0.5, seen
+    assert int(state.step) == 8 and int(state.bad_step) == -1
