@@ -8,7 +8,8 @@ quantized operands all stay within the thresholds, averaged over the probe steps
 * ``max_underflow``: the flush-to-zero rate (default 5 %, the rate at which Transformer
   Engine's debug tooling flags a GEMM for high precision);
 * ``max_mse``: the absolute mean squared quantization error (default 1e-4, TE's threshold);
-* ``max_rel_mse``: optionally, the error relative to the tensor's energy (scale-free).
+* ``max_rel_mse``: optionally, the error relative to the tensor's energy (scale-free);
+* ``operands``: which GEMM operands must pass (default all six; e.g. only the forward ones).
 
 The last rung is the fallback (it is not probed) and the policy's default. The result is a
 :class:`~fp4lab.policy.PrecisionPolicy` (one rule per recipe, an exact alternation of layer
@@ -27,15 +28,19 @@ from pathlib import Path
 
 from experiments.train import layer_order, train, write_json_atomic
 from fp4lab.policy import PrecisionPolicy, Rule, explain, policy_to_dict
+from fp4lab.qdot import OPERANDS
 from fp4lab.recipe import get_recipe
 
 __all__ = ["layer_passes", "recommend", "assign_from_summaries", "main"]
 
 
 def layer_passes(ops: dict, max_underflow: float, max_mse: float,
-                 max_rel_mse: float | None = None) -> tuple[bool, str]:
-    """Whether every quantized operand of one layer is within the thresholds, and why not."""
+                 max_rel_mse: float | None = None, operands=None) -> tuple[bool, str]:
+    """Whether every quantized operand of one layer (of ``operands``, default all six) is
+    within the thresholds, and why not."""
     for op, m in ops.items():
+        if operands is not None and op not in operands:
+            continue
         if not math.isfinite(m["underflow"]):  # not quantized in this GEMM
             continue
         if m["underflow"] > max_underflow:
@@ -48,11 +53,15 @@ def layer_passes(ops: dict, max_underflow: float, max_mse: float,
 
 
 def assign_from_summaries(summaries: dict[str, dict], ladder, *, max_underflow: float = 0.05,
-                          max_mse: float = 1e-4, max_rel_mse: float | None = None
-                          ) -> tuple[PrecisionPolicy, dict[str, tuple[str, str]]]:
+                          max_mse: float = 1e-4, max_rel_mse: float | None = None,
+                          operands=None) -> tuple[PrecisionPolicy, dict[str, tuple[str, str]]]:
     """The policy from per-candidate probe summaries (``{recipe: {layer: {op: metrics}}}``,
     one per rung but the last). Returns it and ``{layer: (recipe, reason)}``."""
     ladder = [get_recipe(r).name for r in ladder]
+    if operands is not None:
+        unknown = sorted(set(operands) - set(OPERANDS))
+        if unknown:
+            raise ValueError(f"unknown operands {unknown}; known: {', '.join(OPERANDS)}")
     if len(ladder) < 2:
         raise ValueError(f"ladder {ladder} needs at least one candidate and a fallback")
     missing = [r for r in ladder[:-1] if r not in summaries]
@@ -65,7 +74,8 @@ def assign_from_summaries(summaries: dict[str, dict], ladder, *, max_underflow: 
     for layer in layers:
         reasons = []
         for cand in ladder[:-1]:
-            ok, why = layer_passes(summaries[cand][layer], max_underflow, max_mse, max_rel_mse)
+            ok, why = layer_passes(summaries[cand][layer], max_underflow, max_mse, max_rel_mse,
+                                   operands)
             if ok:
                 chosen[layer] = (cand, "; ".join(reasons) or "within thresholds")
                 break
@@ -84,7 +94,7 @@ def assign_from_summaries(summaries: dict[str, dict], ladder, *, max_underflow: 
 
 def recommend(config, workdir: str | Path, *, ladder=("nvfp4", "mxfp8", "bf16"),
               steps: int = 30, max_underflow: float = 0.05, max_mse: float = 1e-4,
-              max_rel_mse: float | None = None, progress: bool = True):
+              max_rel_mse: float | None = None, operands=None, progress: bool = True):
     """Probe runs for every candidate but the last, then :func:`assign_from_summaries`."""
     workdir = Path(workdir)
     summaries = {}
@@ -97,7 +107,7 @@ def recommend(config, workdir: str | Path, *, ladder=("nvfp4", "mxfp8", "bf16"),
         c.probes.every = max(1, min(c.probes.every, steps // 3))
         summaries[name] = train(c, workdir / f"probe_{name}", progress=progress)["probe_summary"]
     return assign_from_summaries(summaries, ladder, max_underflow=max_underflow,
-                                 max_mse=max_mse, max_rel_mse=max_rel_mse)
+                                 max_mse=max_mse, max_rel_mse=max_rel_mse, operands=operands)
 
 
 def main(argv=None):
@@ -113,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--max-underflow", type=float, default=0.05)
     ap.add_argument("--max-mse", type=float, default=1e-4)
     ap.add_argument("--max-rel-mse", type=float, default=None)
+    ap.add_argument("--operands", default=None, help="comma list of the GEMM operands that "
+                    f"must pass (default: all of {','.join(OPERANDS)})")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -120,6 +132,7 @@ def main(argv=None):
     policy, chosen = recommend(config, args.workdir, ladder=args.ladder.split(","),
                                steps=args.steps, max_underflow=args.max_underflow,
                                max_mse=args.max_mse, max_rel_mse=args.max_rel_mse,
+                               operands=args.operands.split(",") if args.operands else None,
                                progress=not args.quiet)
     out = Path(args.out or Path(args.workdir) / "policy.json")
     out.parent.mkdir(parents=True, exist_ok=True)

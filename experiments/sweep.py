@@ -23,6 +23,7 @@ import csv
 import io
 import json
 import math
+import re
 import traceback
 from pathlib import Path
 
@@ -33,22 +34,29 @@ from experiments.train import KIND_ORDER, layer_order, read_jsonl, train, write_
 __all__ = ["run_sweep", "results_table", "write_reports", "main"]
 
 
+def run_name(policy: str) -> str:
+    """The run's folder name: the policy name with path characters replaced
+    (``file:results/auto/policy.json`` -> ``file_results_auto_policy.json``)."""
+    return re.sub(r"[^\w.+-]+", "_", policy).strip("_") or "run"
+
+
 def _run_one(config, policy: str, runs_dir: Path, retry_failed: bool, progress: bool) -> dict:
-    workdir = runs_dir / policy
+    name = run_name(policy)
+    workdir = runs_dir / name
     done = workdir / "result.json"
     if done.exists():
         result = json.loads(done.read_text())
         if result["status"] == "ok" or not retry_failed:
             return result
     c = config.copy_and_resolve_references()
-    c.name, c.precision.policy = policy, policy
+    c.name, c.precision.policy = name, policy
     try:
         return train(c, workdir, progress=progress)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
         workdir.mkdir(parents=True, exist_ok=True)
-        result = {"name": policy, "policy": policy, "status": "failed",
+        result = {"name": name, "policy": policy, "status": "failed",
                   "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc(limit=8)}
         write_json_atomic(done, result)
@@ -60,12 +68,13 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
               progress: bool = True) -> list[dict]:
     """Train every policy of ``config.sweep.policies`` (skipping finished runs), write the
     reports, and return the results in sweep order."""
+    policies = list(config.sweep.policies)
+    if len({run_name(p) for p in policies}) != len(policies):
+        raise ValueError(f"sweep.policies has duplicates (after making folder names): "
+                         f"{policies}")
     out = Path(out)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    policies = list(config.sweep.policies)
-    if len(set(policies)) != len(policies):
-        raise ValueError(f"sweep.policies has duplicates: {policies}")
     results = [_run_one(config, p, runs_dir, retry_failed, progress) for p in policies]
     write_reports(results, out)
     return results

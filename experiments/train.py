@@ -386,9 +386,9 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                 probe_records.append(rec)
                 for layer, ops in rec["probes"].items():
                     for op, m in ops.items():
-                        if np.isfinite(m["underflow"]):
-                            tb.add_scalar(f"underflow/{layer}/{op}", m["underflow"], s)
-                            tb.add_scalar(f"sqnr_db/{layer}/{op}", m["sqnr_db"], s)
+                        for metric in ("underflow", "sqnr_db"):  # NaN: not quantized;
+                            if np.isfinite(m[metric]):  # inf dB: exact
+                                tb.add_scalar(f"{metric}/{layer}/{op}", m[metric], s)
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
                 mark(s + 1)  # the probe fetch is not training time

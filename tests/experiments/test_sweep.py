@@ -80,6 +80,13 @@ def test_auto_assignment_picks_the_cheapest_recipe_within_thresholds():
     assert policy_from_dict(json.loads(json.dumps(policy_to_dict(policy)))) == policy
     ok, why = layer_passes(_ops(0.0, 1e-3), 0.05, 1e-2, max_rel_mse=1e-4)
     assert not ok and "rel_mse" in why
+    # only fprop_w must pass (it never underflows in _ops): a/out_proj's underflow is ignored
+    _, fwd = assign_from_summaries(summaries, ["nvfp4", "mxfp8", "bf16"],
+                                   operands=["fprop_w"])
+    assert {k: v[0] for k, v in fwd.items()} == {
+        "a/in_proj": "nvfp4", "a/out_proj": "nvfp4", "b/up": "mxfp8"}
+    with pytest.raises(ValueError, match="unknown operands"):
+        assign_from_summaries(summaries, ["nvfp4", "bf16"], operands=["fprop_q"])
     with pytest.raises(ValueError, match="no probe summary"):
         assign_from_summaries({"nvfp4": summaries["nvfp4"]}, ["nvfp4", "mxfp8", "bf16"])
 
@@ -95,3 +102,12 @@ def test_config_overrides_are_typed_and_checked():
         apply_overrides(c, ["train.steps"])
     with pytest.raises(FileNotFoundError, match="configs here: default"):
         load_config("nope")
+
+
+def test_run_folders_are_safe_names_for_any_policy(tmp_path):
+    assert sweep.run_name("file:results/auto/policy.json") == "file_results_auto_policy.json"
+    assert sweep.run_name("all:nvfp4") == "all_nvfp4" and sweep.run_name("bf16") == "bf16"
+    config = load_config("sweep_tiny", ["sweep.policies=('all:nvfp4','all/nvfp4')"])
+    with pytest.raises(ValueError, match="duplicates"):
+        sweep.run_sweep(config, tmp_path, progress=False)
+    assert not (tmp_path / "runs").exists()
