@@ -1,5 +1,13 @@
-"""Pallas GPU kernels for fp4lab's hot paths.
+"""Pallas GPU kernels for fp4lab's hot paths, each equal to its fp4lab reference bit for bit.
 
-Each kernel module will hold the kernel, its wrapper and a pointer to the fp4lab reference it
-must equal bit for bit; tests run the kernels in interpret mode on CPU.
+* :mod:`pallas_kernels.quantize`: NVFP4 (1D 16-blocks; 2D 16x16 weight tiles writing the
+  row-wise and the transposed copy in one pass), MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4
+  quantization along the last axis, and dequantization to BF16. Reference:
+  :func:`fp4lab.quantize` / :func:`fp4lab.dequantize`.
+* :mod:`pallas_kernels.common`: the exact building blocks (bit-level abs-max, correctly
+  rounded division through PTX ``div.rn.f32``, E2M1 rounding and packing).
+
+Kernels run compiled through Pallas' Triton backend on NVIDIA GPUs and in interpret mode
+elsewhere (``interpret=None`` picks by backend), which is how CI tests them; CI also lowers
+each kernel for an abstract H200 so that a kernel that stops lowering fails without a GPU.
 """

@@ -1,0 +1,102 @@
+"""Pieces shared by the block-quantization kernels (traced inside Pallas kernel bodies).
+
+Every function here is written with operations the Pallas Triton lowering supports (integer
+bit manipulation, comparisons, selects, ``tt.reshape``/``tt.split``) and computes exactly
+what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
+
+* :func:`abs_max_bits`: a block's ``max |x|`` on the float32 bit patterns (exact, and a NaN
+  wins, as in ``fp4lab.rounding.abs_max``);
+* :func:`div`: correctly rounded float32 division. Triton's ``/`` is approximate on NVIDIA
+  GPUs (``div.full``: shared/GPU.md measured wrong E2M1 codes on 2.5e-4 of elements), so on
+  the GPU it is the PTX ``div.rn.f32`` instruction; in interpret mode (CPU) XLA's division is
+  IEEE already;
+* :func:`e2m1_code`: round-to-nearest-even onto the E2M1 grid and its 4-bit code in one step
+  (ties go to the even code, magnitudes above 5 saturate to 6, NaN gives +0, the sign of
+  zero is kept);
+* :func:`pack_pairs`: two 4-bit codes per byte, element ``2i`` in the low nibble.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs", "unpack_pairs",
+           "pow2", "FLT_MAX"]
+
+FLT_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def bits(x):
+    return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def from_bits(b):
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def pow2(e):
+    """``2**e`` for integer ``e`` in [-126, 127] (exact, from the exponent field)."""
+    return from_bits((e + 127) << 23)
+
+
+def abs_max_bits(x, axis):
+    """``max |x|`` along ``axis`` on the bit patterns (NaN > inf > finite, as the reference)."""
+    return from_bits(jnp.max(bits(x) & 0x7FFFFFFF, axis=axis, keepdims=True))
+
+
+def div(a, b, *, interpret: bool):
+    """``fl(a / b)`` correctly rounded (IEEE round-to-nearest-even) on the GPU and in
+    interpret mode; ``a`` and ``b`` are float32 arrays of one shape (or scalars)."""
+    if interpret:
+        return a / b
+    from jax.experimental.pallas import triton as pltriton
+
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    return pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+# E2M1 round-to-nearest-even by thresholds on |v|: the grid is 0, .5, 1, 1.5, 2, 3, 4, 6 and a
+# tie goes to the neighbour with the even code (strict > where the lower code is even).
+_E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+            (3.5, True), (5.0, False))
+
+
+def e2m1_code(v):
+    """The 4-bit E2M1 code (uint8, sign in bit 3) of ``v`` rounded to nearest even,
+    saturating at 6; NaN gives +0 (E2M1 has no NaN; its scale carries the NaN)."""
+    a = jnp.abs(v)
+    mag = jnp.zeros(v.shape, jnp.int32)
+    for threshold, inclusive in _E2M1_UP:
+        mag = mag + ((a >= threshold) if inclusive else (a > threshold)).astype(jnp.int32)
+    sign = lax.shift_right_logical(bits(v), 31) << 3
+    code = jnp.where(jnp.isnan(v), 0, mag | sign)
+    return code.astype(jnp.uint8)
+
+
+def pack_pairs(codes):
+    """``(..., 2n)`` 4-bit codes -> ``(..., n)`` bytes, element ``2i`` in the low nibble."""
+    *lead, n2 = codes.shape
+    pairs = codes.astype(jnp.int32).reshape(*lead, n2 // 2, 2)
+    lo, hi = jnp.split(pairs, 2, axis=-1)
+    return (lo | (hi << 4)).reshape(*lead, n2 // 2).astype(jnp.uint8)
+
+
+def unpack_pairs(packed):
+    """``(..., n)`` bytes -> ``(..., 2n)`` 4-bit codes (int32), the inverse of pack_pairs."""
+    p = packed.astype(jnp.int32)
+    *lead, n = p.shape
+    both = jnp.concatenate([(p & 0xF)[..., None], (p >> 4)[..., None]], axis=-1)
+    return both.reshape(*lead, 2 * n)
+
+
+def e2m1_value(code):
+    """The float32 value of 4-bit E2M1 codes: ``(-1)^s * 2^(e-1) * (1 + m/2)``, subnormal
+    ``m/2`` when ``e = 0`` (grid 0, .5, 1, 1.5, 2, 3, 4, 6)."""
+    e = (code >> 1) & 3
+    m = (code & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, m * 0.5, pow2(e - 1) * (1.0 + m * 0.5))
+    return jnp.where((code & 8) != 0, -mag, mag)

@@ -1,0 +1,346 @@
+"""Fused block-quantization kernels: NVFP4 (1D 16-blocks and 2D 16x16 tiles), MXFP8 (E4M3,
+E5M2; rceil and floor scales) and MXFP4, along the last axis; and dequantization to BF16.
+
+Each kernel reads a ``(block_rows, block_cols)`` tile of the input once and writes the codes
+(E2M1 packed two per byte, or FP8) and the block scales of that tile: one pass over the data
+instead of XLA's several. The reference each kernel must equal bit for bit is
+:func:`fp4lab.quantize` (``fp4lab/scaling.py`` for the scales, ``fp4lab/rounding.py`` for the
+elements); ``tests/pallas_kernels/test_quantize.py`` checks that in interpret mode (CPU, CI)
+and on the GPU when there is one.
+
+The wrappers take any shape: leading axes are flattened into rows and both axes are padded
+with zeros to the tile (zeros change no block statistic; the padding is sliced off), and they
+return the same :class:`fp4lab.QArray` as the reference.
+
+NVFP4's per-tensor amax is a reduction over the whole tensor: the wrapper computes it with
+XLA (one read of the input) unless ``global_amax`` is given, then the kernel does the rest in
+one more read ("two-pass", as Transformer Engine does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from fp4lab.formats import Format, get_format
+from fp4lab.quantize import QArray
+from fp4lab.rounding import abs_max
+from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
+from pallas_kernels.common import (FLT_MAX, abs_max_bits, bits, div, e2m1_code, e2m1_value,
+                                   from_bits, pack_pairs, pow2, unpack_pairs)
+
+__all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Tile shape and Triton launch parameters (``block_cols`` a multiple of 32)."""
+
+    block_rows: int = 32
+    block_cols: int = 256
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _interpret_default(interpret):
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def supports(fmt: Format, axis: int, tile) -> str | None:
+    """``None`` when a kernel covers this quantization, else the reason it does not."""
+    if fmt.granularity != "block":
+        return f"{fmt.name} is not a block format"
+    if isinstance(fmt.scaling, NVFP4Scale):
+        if tile not in (None, (16, 16)):
+            return f"NVFP4 kernels cover 1D blocks and 16x16 tiles, not tile={tile}"
+    elif isinstance(fmt.scaling, PowerOfTwoScale):
+        if tile is not None:
+            return f"MX kernels cover 1D blocks only, not tile={tile}"
+        if fmt.element.name not in ("e4m3", "e5m2", "e2m1"):
+            return f"no MX kernel for {fmt.element.name} elements"
+    else:
+        return f"no kernel for {type(fmt.scaling).__name__} scales"
+    if axis not in (-1,):
+        return f"kernels block the last axis; axis={axis} (transpose first)"
+    return None
+
+
+# ----------------------------------------------------------------------------- kernel bodies
+
+
+def _nvfp4_scales(bamax, amax, *, interpret):
+    """Block scale (E4M3) and element multiplier, in fp4lab.scaling.NVFP4Scale's order."""
+    s_enc = jnp.minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = div(jnp.ones_like(s_enc), s_enc, interpret=interpret)
+    sixth = np.float32(1) / np.float32(6)  # fl(1/6), computed on the host (IEEE)
+    s_b = jnp.minimum(jnp.minimum(bamax * (s_enc * sixth), FLT_MAX), 448.0)
+    s_b = s_b.astype(jnp.float8_e4m3fn)
+    denom = s_b.astype(jnp.float32) * s_dec
+    enc = jnp.minimum(div(jnp.ones_like(denom), denom, interpret=interpret), FLT_MAX)
+    return s_b, enc
+
+
+def _nvfp4_1d_kernel(amax_ref, x_ref, q_ref, s_ref, *, interpret):
+    x = x_ref[...].astype(jnp.float32)
+    tm, tk = x.shape
+    xb = x.reshape(tm, tk // 16, 16)
+    amax = amax_ref[...].reshape(1, 1, 1)
+    s_b, enc = _nvfp4_scales(abs_max_bits(xb, 2), jnp.broadcast_to(amax, (tm, tk // 16, 1)),
+                             interpret=interpret)
+    q_ref[...] = pack_pairs(e2m1_code(xb * enc).reshape(tm, tk))
+    s_ref[...] = s_b.reshape(tm, tk // 16)
+
+
+def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, interpret):
+    """16x16 tiles: the row-wise codes and their transpose, scales shared by construction."""
+    x = x_ref[...].astype(jnp.float32)
+    tm, tk = x.shape
+    x4 = x.reshape(tm // 16, 16, tk // 16, 16)
+    bamax = abs_max_bits(abs_max_bits(x4, 3), 1)  # (tm/16, 1, tk/16, 1)
+    amax = amax_ref[...].reshape(1, 1, 1, 1)
+    s_b, enc = _nvfp4_scales(bamax, jnp.broadcast_to(amax, bamax.shape), interpret=interpret)
+    codes = e2m1_code(x4 * enc).reshape(tm, tk)
+    q_ref[...] = pack_pairs(codes)
+    qt_ref[...] = pack_pairs(codes.T)
+    s = s_b.reshape(tm // 16, tk // 16)
+    s_ref[...] = s
+    st_ref[...] = s.T
+
+
+def _mx_kernel(x_ref, q_ref, s_ref, *, fmt: Format, interpret):
+    del interpret  # power-of-two scales: no division
+    x = x_ref[...].astype(jnp.float32)
+    tm, tk = x.shape
+    el = fmt.element
+    xb = x.reshape(tm, tk // 32, 32)
+    stat = abs_max_bits(xb, 2)
+    if fmt.scaling.mode == "rceil":
+        d = stat * (np.float32(1) / np.float32(el.max))  # host constant, IEEE
+        b = bits(d)
+        e_field = (b >> 23) & 0xFF
+        normal = e_field - 127 + ((b & 0x7FFFFF) != 0).astype(jnp.int32)
+        e = jnp.where(e_field > 0, normal, jnp.where(b <= 0x00400000, -127, -126))
+    else:
+        emax = {"e4m3": 8, "e5m2": 15, "e2m1": 2}[el.name]
+        e = ((bits(stat) >> 23) & 0xFF) - 127 - emax
+    e = jnp.clip(e, -127, 127)
+    finite = (bits(stat) & 0x7FFFFFFF) < 0x7F800000
+    s_ref[...] = jnp.where(finite, e + 127, 255).astype(jnp.uint8).reshape(tm, tk // 32)
+    mult = jnp.where(finite, pow2(jnp.clip(-e, -126, 127)), 0.0)
+    v = xb * mult
+    if el.name == "e2m1":
+        codes = jnp.where(finite, e2m1_code(v), 0).reshape(tm, tk)
+        q_ref[...] = pack_pairs(codes)
+    else:
+        a = jnp.minimum(jnp.abs(v), el.max)  # saturate; keep the sign bit (and -0):
+        v = from_bits(bits(a) | (bits(v) & jnp.int32(-(2**31))))
+        q = jnp.where(finite, v, 0.0).astype(el.storage)
+        q_ref[...] = q.reshape(tm, tk)
+
+
+def _dequantize_kernel(amax_ref, q_ref, s_ref, y_ref, *, fmt: Format, interpret):
+    """Codes and block scales of a 1D-blocked tile -> values in ``y_ref``'s dtype, with the
+    reference's multipliers in its order (fp4lab.scaling ``decode``)."""
+    del interpret
+    el, block = fmt.element, fmt.block
+    if el.packed:
+        v = e2m1_value(unpack_pairs(q_ref[...]))
+    else:
+        v = q_ref[...].astype(jnp.float32)
+    tm, tk = v.shape
+    vb = v.reshape(tm, tk // block, block)
+    if isinstance(fmt.scaling, NVFP4Scale):
+        s = s_ref[...].astype(jnp.float32).reshape(tm, tk // block, 1)
+        amax = amax_ref[...].reshape(1, 1, 1)
+        third = np.float32(1) / np.float32(2688)  # host constant, IEEE
+        y = vb * jnp.where(amax == 0, s, (s * amax) * third)
+    else:
+        e = s_ref[...].astype(jnp.int32).reshape(tm, tk // block, 1) - 127
+        hi = e >> 1
+        m1 = jnp.where(e == 128, jnp.nan, pow2(jnp.clip(hi, -126, 127)))
+        y = (vb * m1) * pow2(e - hi)
+    y_ref[...] = y.reshape(tm, tk).astype(y_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _rows_and_pad(x, rows_mult, cols_mult):
+    """``x`` as a zero-padded 2D (rows, cols) array, and the padded shape."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    m, k = x2.shape
+    mp, kp = -(-m // rows_mult) * rows_mult, -(-k // cols_mult) * cols_mult
+    if (mp, kp) != (m, k):
+        x2 = jnp.pad(x2, ((0, mp - m), (0, kp - k)))
+    return x2, (mp, kp)
+
+
+def _compiler_params(cfg: KernelConfig, interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _tensor_amax(x, global_amax):
+    """NVFP4's per-tensor amax: one XLA reduction, the reference's own (NaN wins)."""
+    if global_amax is not None:
+        return jnp.asarray(global_amax, jnp.float32)
+    return abs_max(x.astype(jnp.float32))
+
+
+def _check_input(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize kernels need a floating-point input, got {x.dtype}")
+    if x.ndim < 1 or x.size == 0:
+        raise ValueError(f"quantize kernels need a non-empty array, got shape {x.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret"))
+def _quantize_1d(x, global_amax, *, fmt: Format, cfg: KernelConfig, interpret: bool):
+    shape = x.shape
+    block = fmt.block
+    k_padded = -(-shape[-1] // block) * block  # the reference's padded length
+    tm, tk = cfg.block_rows, min(cfg.block_cols, -(-k_padded // 32) * 32)
+    x2, (mp, kp) = _rows_and_pad(x, tm, tk)
+    grid = (mp // tm, kp // tk)
+    packed = fmt.element.packed
+    q_cols = tk // 2 if packed else tk
+    q_dtype = jnp.uint8 if packed else fmt.element.storage
+    scale_dtype = fmt.scaling.scale_dtype
+    out_shape = [jax.ShapeDtypeStruct((mp, kp // tk * q_cols), q_dtype),
+                 jax.ShapeDtypeStruct((mp, kp // block), scale_dtype)]
+    out_specs = [pl.BlockSpec((tm, q_cols), lambda i, j: (i, j)),
+                 pl.BlockSpec((tm, tk // block), lambda i, j: (i, j))]
+    x_spec = pl.BlockSpec((tm, tk), lambda i, j: (i, j))
+    if isinstance(fmt.scaling, NVFP4Scale):
+        amax = _tensor_amax(x, global_amax)
+        kernel = functools.partial(_nvfp4_1d_kernel, interpret=interpret)
+        q, s = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid,
+            in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)), x_spec], out_specs=out_specs,
+            interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+            name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), x2)
+        global_scale = amax
+    else:
+        kernel = functools.partial(_mx_kernel, fmt=fmt, interpret=interpret)
+        q, s = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid, in_specs=[x_spec], out_specs=out_specs,
+            interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+            name=f"fp4lab_{fmt.name}_quantize")(x2)
+        global_scale = None
+    m = math.prod(shape[:-1])
+    q_len = k_padded // 2 if packed else k_padded
+    q = q[:m, :q_len].reshape(*shape[:-1], q_len)
+    s = s[:m, :k_padded // block].reshape(*shape[:-1], k_padded // block)
+    return QArray(q, s, global_scale, fmt, x.ndim - 1, None, shape)
+
+
+def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=None,
+             interpret: bool | None = None, config: KernelConfig = KernelConfig()) -> QArray:
+    """The kernel path of :func:`fp4lab.quantize` (round-to-nearest) for NVFP4 (1D, or
+    ``tile=(16, 16)``), MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4 along the last axis.
+
+    ``interpret`` defaults to True off the GPU (CPU tests run the same kernel bodies)."""
+    fmt = get_format(fmt)
+    x = jnp.asarray(x)
+    _check_input(x)
+    axis = axis if axis < 0 else axis - x.ndim
+    reason = supports(fmt, axis, tile)
+    if reason:
+        raise ValueError(f"no kernel: {reason}")
+    interpret = _interpret_default(interpret)
+    if tile is not None:
+        return quantize_weight_nvfp4(x, global_amax=global_amax, interpret=interpret,
+                                     config=config)[0]
+    return _quantize_1d(x, global_amax, fmt=fmt, cfg=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _quantize_2d(w, global_amax, *, cfg: KernelConfig, interpret: bool):
+    fmt = get_format("nvfp4")
+    lead, (r, c) = w.shape[:-2], w.shape[-2:]
+    if lead:
+        raise ValueError(f"2D weight quantization takes a matrix, got shape {w.shape}")
+    rp, cp = -(-r // 16) * 16, -(-c // 16) * 16  # the reference's padded shape
+    tm, tk = min(cfg.block_rows, rp), min(cfg.block_cols, -(-cp // 32) * 32)
+    tm = -(-tm // 32) * 32  # the transposed copy packs along rows: a multiple of 32
+    w2, (mp, kp) = _rows_and_pad(w, tm, tk)
+    amax = _tensor_amax(w, global_amax)
+    kernel = functools.partial(_nvfp4_2d_kernel, interpret=interpret)
+    q, s, qt, st = pl.pallas_call(
+        kernel, grid=(mp // tm, kp // tk),
+        out_shape=[jax.ShapeDtypeStruct((mp, kp // 2), jnp.uint8),
+                   jax.ShapeDtypeStruct((mp // 16, kp // 16), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((kp, mp // 2), jnp.uint8),
+                   jax.ShapeDtypeStruct((kp // 16, mp // 16), jnp.float8_e4m3fn)],
+        in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+                  pl.BlockSpec((tm, tk), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j: (i, j)),
+                   pl.BlockSpec((tm // 16, tk // 16), lambda i, j: (i, j)),
+                   pl.BlockSpec((tk, tm // 2), lambda i, j: (j, i)),
+                   pl.BlockSpec((tk // 16, tm // 16), lambda i, j: (j, i))],
+        interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+        name="fp4lab_nvfp4_quantize_2d")(amax.reshape(1, 1), w2)
+    row = QArray(q[:rp, :cp // 2], s[:rp // 16, :cp // 16], amax, fmt, 1, (16, 16), (r, c))
+    col = QArray(qt[:cp, :rp // 2], st[:cp // 16, :rp // 16], amax, fmt, 1, (16, 16), (c, r))
+    return row, col
+
+
+def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
+                          config: KernelConfig = KernelConfig()) -> tuple[QArray, QArray]:
+    """NVFP4 with 16x16 tiles of a weight matrix ``w`` in one pass: ``(quantize(w),
+    quantize(w.T))`` as :func:`fp4lab.quantize` with ``tile=(16, 16)`` gives them, the second
+    being the transposed copy that dgrad reads (the same scales, transposed)."""
+    w = jnp.asarray(w)
+    _check_input(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_weight_nvfp4 takes a matrix, got shape {w.shape}")
+    return _quantize_2d(w, global_amax, cfg=config, interpret=_interpret_default(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "cfg", "interpret"))
+def _dequantize_1d(q: QArray, dtype, *, cfg: KernelConfig, interpret: bool):
+    fmt, shape = q.format, q.shape
+    packed = fmt.element.packed
+    k_padded = q.scale.shape[-1] * fmt.block
+    tm, tk = cfg.block_rows, min(cfg.block_cols, -(-k_padded // 32) * 32)
+    data = q.data.reshape(-1, q.data.shape[-1])
+    scale = q.scale.reshape(-1, q.scale.shape[-1])
+    m = data.shape[0]
+    mp, kp = -(-m // tm) * tm, -(-k_padded // tk) * tk
+    data = jnp.pad(data, ((0, mp - m), (0, (kp // 2 if packed else kp) - data.shape[1])))
+    scale = jnp.pad(scale, ((0, mp - m), (0, kp // fmt.block - scale.shape[1])))
+    amax = (q.global_scale if q.global_scale is not None else jnp.float32(0)).reshape(1, 1)
+    q_cols = tk // 2 if packed else tk
+    y = pl.pallas_call(
+        functools.partial(_dequantize_kernel, fmt=fmt, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((mp, kp), dtype), grid=(mp // tm, kp // tk),
+        in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+                  pl.BlockSpec((tm, q_cols), lambda i, j: (i, j)),
+                  pl.BlockSpec((tm, tk // fmt.block), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((tm, tk), lambda i, j: (i, j)),
+        interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+        name=f"fp4lab_{fmt.name}_dequantize")(amax.astype(jnp.float32), data, scale)
+    return y[:m, :shape[-1]].reshape(shape)
+
+
+def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
+               config: KernelConfig = KernelConfig()) -> jax.Array:
+    """The kernel path of :func:`fp4lab.dequantize` for 1D-blocked NVFP4/MX QArrays (last
+    axis): one read of codes and scales, one write of ``dtype`` values (BF16 by default, for
+    the emulated GEMM on GPUs without FP4 tensor cores)."""
+    reason = supports(q.format, q.axis - q.ndim, q.tile) if q.tile is None else (
+        "2D-tiled QArrays dequantize with fp4lab.dequantize")
+    if reason:
+        raise ValueError(f"no kernel: {reason}")
+    return _dequantize_1d(q, jnp.dtype(dtype), cfg=config,
+                          interpret=_interpret_default(interpret))

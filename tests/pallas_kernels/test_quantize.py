@@ -1,0 +1,128 @@
+"""pallas_kernels.quantize: every round-to-nearest kernel equals fp4lab.quantize bit for bit
+(interpret mode here; the same tests run the compiled kernels on a GPU), and every kernel
+lowers for an abstract H200 without one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4lab
+from pallas_kernels.quantize import (KernelConfig, dequantize, quantize,
+                                     quantize_weight_nvfp4, supports)
+
+FORMATS = ["nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp8_floor", "mxfp4", "mxfp4_floor"]
+SHAPES = [(1, 16), (5, 40), (3, 7, 100), (64, 256), (33, 520), (300,)]
+SMALL = KernelConfig(block_rows=16, block_cols=64)  # several tiles even on small inputs
+
+
+def same_bits(a, b):
+    a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def assert_same_qarray(k, r):
+    same_bits(k.data, r.data)
+    same_bits(k.scale, r.scale)
+    if r.global_scale is None:
+        assert k.global_scale is None
+    else:
+        same_bits(k.global_scale, r.global_scale)
+    assert (k.format, k.axis, k.tile, k.shape) == (r.format, r.axis, r.tile, r.shape)
+
+
+def special(shape, dtype, seed=0):
+    """Gaussian data with every special value mixed in: ties of the element grids, zeros of
+    both signs, values far below and at the formats' limits, and huge outliers."""
+    x = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32)) * 3
+    flat = x.reshape(-1)
+    specials = np.array([0.0, -0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 6.0, 448.0,
+                         57344.0, 1e-30, -3e-39, 1e-6, 2.0 ** -9, 1e4], np.float32)
+    idx = np.random.default_rng(seed).choice(flat.size, min(flat.size, specials.size),
+                                             replace=False)
+    flat[idx] = specials[:idx.size]
+    return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantize_kernels_equal_the_reference(fmt, shape):
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = special(shape, dtype)
+        assert_same_qarray(quantize(x, fmt, config=SMALL), fp4lab.quantize(x, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zeros_nan_and_inf_give_the_reference_result(fmt):
+    z = jnp.zeros((4, 64))
+    assert_same_qarray(quantize(z, fmt), fp4lab.quantize(z, fmt))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        x = special((4, 64), jnp.float32).at[1, 7].set(bad)
+        assert_same_qarray(quantize(x, fmt, config=SMALL), fp4lab.quantize(x, fmt))
+    tiny = special((4, 64), jnp.float32) * 1e-37  # block amaxes near float32's bottom
+    assert_same_qarray(quantize(tiny, fmt), fp4lab.quantize(tiny, fmt))
+
+
+def test_nvfp4_with_a_given_global_amax():
+    x = special((8, 48), jnp.float32)
+    for amax in (1.0, 100.0, 0.0):
+        assert_same_qarray(quantize(x, "nvfp4", global_amax=amax),
+                           fp4lab.quantize(x, "nvfp4", global_amax=amax))
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (40, 72), (64, 256), (100, 33)])
+def test_nvfp4_weight_kernel_writes_both_layouts(shape):
+    w = special(shape, jnp.bfloat16, seed=3)
+    row, col = quantize_weight_nvfp4(w, config=SMALL)
+    assert_same_qarray(row, fp4lab.quantize(w, "nvfp4", tile=(16, 16)))
+    assert_same_qarray(col, fp4lab.quantize(w.T, "nvfp4", tile=(16, 16)))
+    assert_same_qarray(quantize(w, "nvfp4", tile=(16, 16)), fp4lab.quantize(w, "nvfp4",
+                                                                             tile=(16, 16)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_kernel_equals_the_reference(fmt):
+    x = special((9, 100), jnp.float32).at[2, 3].set(jnp.nan)
+    q = fp4lab.quantize(x, fmt)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        same_bits(dequantize(q, dtype, config=SMALL), fp4lab.dequantize(q, dtype))
+
+
+def test_unsupported_inputs_say_why():
+    assert "not a block format" in supports(fp4lab.get_format("fp8_e4m3"), -1, None)
+    assert "no kernel for GGMLQ4_0Scale" in supports(fp4lab.get_format("int4_q4_0"), -1, None)
+    with pytest.raises(ValueError, match="no kernel: kernels block the last axis; axis=-2"):
+        quantize(jnp.ones((32, 32)), "mxfp8", axis=0)
+    with pytest.raises(ValueError, match="MX kernels cover 1D blocks only"):
+        quantize(jnp.ones((32, 32)), "mxfp8", tile=(32, 32))
+    with pytest.raises(TypeError, match="floating-point input, got int32"):
+        quantize(jnp.ones((4, 32), jnp.int32), "nvfp4")
+    with pytest.raises(ValueError, match="unknown format"):
+        quantize(jnp.ones((4, 32)), "nvfp5")
+
+
+def _lower_for_h200(f, *args):
+    from jax._src import mesh as mesh_lib
+
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_lower_for_an_abstract_h200(fmt):
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    text = _lower_for_h200(lambda x: quantize(x, fmt, interpret=False), x)
+    assert text.count("xla.gpu.triton") == 1
+    # no approximate division anywhere (Triton's float32 `/` is approximate on NVIDIA GPUs);
+    # NVFP4's divisions are the PTX div.rn.f32 instruction
+    assert "divf" not in text
+    if fmt == "nvfp4":
+        assert "div.rn.f32" in text
+        text = _lower_for_h200(lambda w: quantize_weight_nvfp4(w, interpret=False), x)
+        assert text.count("xla.gpu.triton") == 1 and "divf" not in text
+    q = jax.eval_shape(lambda x: fp4lab.quantize(x, fmt), x)
+    text = _lower_for_h200(lambda q: dequantize(q, interpret=False), q)
+    assert text.count("xla.gpu.triton") == 1 and "divf" not in text
