@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4lab import backend as _backend
 from fp4lab.hadamard import rht
 from fp4lab.metrics import METRIC_NAMES, quant_metrics
 from fp4lab.quantize import dequantize, fake_quant, quantize
 from fp4lab.recipe import OperandQuant, Recipe, get_recipe
+from fp4lab.scaling import NVFP4Scale
 
 __all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "OPERANDS",
            "probe_zeros", "probe_table"]
@@ -82,16 +85,58 @@ def operand_keys(key) -> dict[str, jax.Array | None]:
     return {name: jax.random.fold_in(key, i) for i, name in enumerate(_OPERANDS)}
 
 
-def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te") -> jax.Array:
+def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
+                     backend: str = "auto") -> jax.Array:
     """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
-    cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values)."""
+    cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values).
+
+    On the kernel backend, an NVFP4 operand with a 16-point RHT blocked along the token axis
+    of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
+    the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``."""
+    if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile:
+        fused = _fused_rht_reason(x, op, signs)
+        if _backend.choose(backend, op.format, axis_from_end=-1, unsupported=fused) == "pallas":
+            from pallas_kernels import quantize as kq
+            from pallas_kernels import rht as kr
+
+            interpret = jax.default_backend() != "gpu"
+            q = kr.rht_quantize_nvfp4(x[0], key, rounding=op.rounding, signs=signs,
+                                      interpret=interpret)
+            return kq.dequantize(q, jnp.float32, interpret=interpret).T[None]
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     if op.format.is_passthrough:
         return x.astype(op.format.element.storage)
-    axis = -1 if op.tile else axis
+    axis = -1 if op.tile else axis % x.ndim - x.ndim
     return fake_quant(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
-                      rounding=op.rounding, key=key)
+                      rounding=op.rounding, key=key,
+                      backend=_operand_backend(backend, op, axis))
+
+
+def _operand_backend(backend: str, op: OperandQuant, axis_from_end: int) -> str:
+    """In a GEMM, ``"pallas"`` means kernels where they exist: an operand no kernel covers
+    falls back to XLA with a KernelFallback warning instead of failing the whole GEMM."""
+    if backend != "pallas":
+        return backend
+    if op.tile is None and op.format.granularity == "block":
+        axis_from_end = -1  # fake_quant moves a block axis last for the kernel
+    try:
+        return _backend.choose("pallas", op.format, axis_from_end=axis_from_end, tile=op.tile,
+                               rounding=op.rounding)
+    except ValueError as e:
+        warnings.warn(f"fp4lab: {e}; this operand runs in XLA", _backend.KernelFallback,
+                      stacklevel=2)
+        return "xla"
+
+
+def _fused_rht_reason(x, op: OperandQuant, signs) -> str | None:
+    if not isinstance(op.format.scaling, NVFP4Scale) or op.format.block != 16:
+        return f"the fused RHT kernel is NVFP4-only, not {op.format.name}"
+    if op.hadamard != 16:
+        return f"the fused RHT kernel uses 16-point transforms, not {op.hadamard}"
+    if x.shape[0] != 1:
+        return f"the fused RHT kernel takes one (tokens, features) matrix, not batch {x.shape[0]}"
+    return None
 
 
 def _mm(a, b, dn):
@@ -151,34 +196,35 @@ def _from_canon(x, canon_shape, perm, dtype):
 # ----------------------------------------------------------------------------- custom_vjp
 
 
-def _weight(w, recipe: Recipe, key):
+def _weight(w, recipe: Recipe, key, backend):
     """fprop W, and a QArray to reuse in dgrad when both GEMMs use the same tiled spec."""
     op = recipe.fprop_w
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
-                      key=key)
+                      key=key, backend=backend)
         return dequantize(qw), qw
-    return quantize_operand(w, op, 1, key, recipe.hadamard_signs), None
+    return quantize_operand(w, op, 1, key, recipe.hadamard_signs, backend), None
 
 
-def _forward(x, w, keys, recipe: Recipe):
-    wq, qw = _weight(w, recipe, keys["fprop_w"])
-    xq = quantize_operand(x, recipe.fprop_x, -1, keys["fprop_x"], recipe.hadamard_signs)
+def _forward(x, w, keys, recipe: Recipe, backend):
+    wq, qw = _weight(w, recipe, keys["fprop_w"], backend)
+    xq = quantize_operand(x, recipe.fprop_x, -1, keys["fprop_x"], recipe.hadamard_signs,
+                          backend)
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw):
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, backend):
     s = recipe.hadamard_signs
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
     if qw is not None:
         wq2 = dequantize(qw)
     else:
-        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s)
-    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s)
+        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s, backend)
+    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s, backend)
     dx = _mm(dyq, wq2, _BMN_BKN)
-    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s)
-    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s)
+    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s, backend)
+    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s, backend)
     return dx, _mm(xq3, dyq3, _BMK_BMN)
 
 
@@ -198,29 +244,29 @@ def _backward_probes(x, w, dy, keys, recipe: Recipe):
                       _operand_metrics(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qdot(plan: _Plan, recipe: Recipe, out_dtype, lhs, rhs, key, probe):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe):
     x, w = _to_canon(lhs, rhs, plan)
-    y = _forward(x, w, operand_keys(key), recipe)[0]
+    y = _forward(x, w, operand_keys(key), recipe, backend)[0]
     return y.reshape(plan.out_shape).astype(out_dtype)
 
 
-def _qdot_fwd(plan, recipe, out_dtype, lhs, rhs, key, probe):
+def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe):
     x, w = _to_canon(lhs, rhs, plan)
     keys = operand_keys(key)
-    y, xq, wq, qw = _forward(x, w, keys, recipe)
+    y, xq, wq, qw = _forward(x, w, keys, recipe, backend)
     fwd_probes = None if probe is None else _forward_probes(x, w, keys, recipe)
     res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (
         qw, fwd_probes)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
-def _qdot_bwd(plan, recipe, out_dtype, res, g):
+def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     x, w, key, xq, wq, qw, fwd_probes = res
     b, m, _, n = plan.bmkn
     dy = g.reshape(b, m, n)
     keys = operand_keys(key)
-    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw)
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend)
     probes = None if fwd_probes is None else jnp.concatenate(
         [fwd_probes, _backward_probes(x, w, dy, keys, recipe)])
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
@@ -237,7 +283,8 @@ def _check_operand(name, x):
 
 
 def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
-                 probe=None, precision=None, preferred_element_type=None, **unused):
+                 probe=None, backend: str = "auto", precision=None,
+                 preferred_element_type=None, **unused):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
     Args:
@@ -247,6 +294,9 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       key: PRNG key; required when the recipe uses stochastic rounding.
       probe: ``None``, or :func:`probe_zeros` to measure the numerics of all six GEMM
         operands: its gradient is the metrics table (the output does not depend on it).
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
+        :mod:`fp4lab.backend`); round-to-nearest kernels give the same bits, stochastic
+        rounding kernels other (equally unbiased) random bits.
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
     Extra keyword arguments of ``lax.dot_general`` (``out_sharding``) are accepted so this can
@@ -264,7 +314,10 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
     if probe is not None and jnp.shape(probe) != (len(_OPERANDS), len(METRIC_NAMES)):
         raise ValueError(f"probe has shape {jnp.shape(probe)}; use qdot.probe_zeros() "
                          f"(shape {(len(_OPERANDS), len(METRIC_NAMES))})")
-    return _qdot(plan, recipe, out_dtype, jnp.asarray(lhs), jnp.asarray(rhs), key, probe)
+    if backend not in _backend.BACKENDS:
+        raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
+    return _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key,
+                 probe)
 
 
 def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str]:
@@ -288,7 +341,7 @@ def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
-            preferred_element_type=None, precision=None, **unused):
+            backend: str = "auto", preferred_element_type=None, precision=None, **unused):
     """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
 
     Letters in both inputs and the output are batch dims, letters in both inputs only are
@@ -308,7 +361,7 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     contract = [c for c in sa if c in sb and c not in out]
     dn = ((tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
           (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)))
-    y = qdot_general(a, b, dn, recipe, key=key, probe=probe,
+    y = qdot_general(a, b, dn, recipe, key=key, probe=probe, backend=backend,
                      preferred_element_type=preferred_element_type)
     produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
     return jnp.transpose(y, [produced.index(c) for c in out])

@@ -36,6 +36,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4lab import backend as _backend
 from fp4lab import rounding as rnd
 from fp4lab.formats import Format, get_format
 
@@ -279,6 +280,7 @@ def quantize(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     global_amax: jax.Array | None = None,
+    backend: str = "auto",
 ) -> QArray:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis`` (or 2D ``tile``s of the last two
     axes).
@@ -293,9 +295,17 @@ def quantize(
         bits.
       global_amax: use this per-tensor amax instead of ``max|x|`` (NVFP4's global scale; the
         amax of per-tensor FP8): e.g. a shared amax, or one from a previous step.
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.backend`); the
+        kernels give the same bits.
     """
     x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
+    if _backend.choose(backend, fmt, axis_from_end=ax - x.ndim, tile=tile,
+                       rounding=rounding) == "pallas":
+        from pallas_kernels import quantize as kernels
+
+        return kernels.quantize(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
+                                interpret=jax.default_backend() != "gpu")
     return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
 
 
@@ -313,10 +323,17 @@ def _dequantize(q: QArray, dtype) -> jax.Array:
     return _from_blocks(y, g).astype(dtype)
 
 
-def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
-    """Return the values ``q`` represents, in ``dtype`` (float32 by default)."""
+def dequantize(q: QArray, dtype=jnp.float32, *, backend: str = "auto") -> jax.Array:
+    """Return the values ``q`` represents, in ``dtype`` (float32 by default); ``backend`` as
+    in :func:`quantize`."""
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize needs a QArray, got {type(q).__name__}")
+    tiled = "2D-tiled QArrays dequantize in XLA" if q.tile else None
+    if _backend.choose(backend, q.format, axis_from_end=q.axis - q.ndim, tile=None,
+                       unsupported=tiled) == "pallas":
+        from pallas_kernels import quantize as kernels
+
+        return kernels.dequantize(q, dtype, interpret=jax.default_backend() != "gpu")
     return _dequantize(q, jnp.dtype(dtype))
 
 
@@ -367,12 +384,41 @@ def fake_quant(
     key: jax.Array | None = None,
     global_amax: jax.Array | None = None,
     mask_saturated: bool = False,
+    backend: str = "auto",
 ) -> jax.Array:
     """``dequantize(quantize(x, ...))`` in ``x.dtype``, bit for bit, without storing codes;
     its gradient is straight-through (identity), or, with ``mask_saturated=True``, zero where
     the scaled input exceeded the element format's max (was clipped). Arguments as
-    :func:`quantize`."""
-    x, fmt, g, _ = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
-                            global_amax=global_amax)
+    :func:`quantize`; on the kernel path the codes are materialized (quantize kernel, then
+    dequantize kernel)."""
+    x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                             global_amax=global_amax)
+    masked = "mask_saturated needs the XLA path" if mask_saturated else None
+    # the kernels block the last axis; fake_quant returns values, so another block axis is
+    # served by moving it last and back (the same blocks, the same bits)
+    moved = tile is None and fmt.granularity == "block" and ax != x.ndim - 1
+    if _backend.choose(backend, fmt, axis_from_end=-1 if moved else ax - x.ndim, tile=tile,
+                       rounding=rounding, unsupported=masked) == "pallas":
+        if moved:
+            y = _kernel_fake_quant(jnp.moveaxis(x, ax, -1), global_amax, fmt, -1, None)
+            return jnp.moveaxis(y, -1, ax)
+        return _kernel_fake_quant(x, global_amax, fmt, ax - x.ndim, tile)
     return _fake_quant(x, key, global_amax, fmt=fmt, g=g, rounding=rounding,
                        mask_saturated=bool(mask_saturated))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _kernel_fake_quant(x, global_amax, fmt, axis, tile):
+    from pallas_kernels import quantize as kernels
+
+    interpret = jax.default_backend() != "gpu"
+    q = kernels.quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax,
+                         interpret=interpret)
+    if tile:
+        return _dequantize(q, x.dtype)
+    return kernels.dequantize(q, x.dtype, interpret=interpret)
+
+
+_kernel_fake_quant.defvjp(
+    lambda x, a, fmt, axis, tile: (_kernel_fake_quant(x, a, fmt, axis, tile), None),
+    lambda fmt, axis, tile, _, dy: (dy, None))

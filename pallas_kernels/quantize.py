@@ -259,8 +259,18 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
         raise ValueError(f"no kernel: {reason}")
     interpret = _interpret_default(interpret)
     if tile is not None:
-        return quantize_weight_nvfp4(x, global_amax=global_amax, interpret=interpret,
-                                     config=config)[0]
+        if x.ndim == 2:
+            return quantize_weight_nvfp4(x, global_amax=global_amax, interpret=interpret,
+                                         config=config)[0]
+        # a stack of matrices (experts, the canonical (B, K, N) weight of a GEMM): one
+        # global amax over the stack, as the reference, and the 2D kernel per matrix
+        amax = _tensor_amax(x, global_amax)
+        stack = x.reshape(-1, *x.shape[-2:])
+        row = jax.vmap(lambda m: _quantize_2d(m, amax, cfg=config, interpret=interpret)[0])(stack)
+        q, s = row.data, row.scale
+        return QArray(q.reshape(*x.shape[:-2], *q.shape[-2:]),
+                      s.reshape(*x.shape[:-2], *s.shape[-2:]), amax, fmt, x.ndim - 1, tile,
+                      x.shape)
     return _quantize_1d(x, global_amax, fmt=fmt, cfg=config, interpret=interpret)
 
 

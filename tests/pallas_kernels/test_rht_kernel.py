@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quantize import _lower_for_h200, assert_same_qarray
+from kernel_helpers import assert_same_qarray, lower_for_h200
 
 import fp4lab
 from fp4lab.hadamard import rht
@@ -73,6 +73,6 @@ def test_bad_inputs():
 def test_lowers_for_an_abstract_h200():
     x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    text = _lower_for_h200(lambda x, k: rht_quantize_nvfp4(x, k, interpret=False), x, key)
+    text = lower_for_h200(lambda x, k: rht_quantize_nvfp4(x, k, interpret=False), x, key)
     assert text.count("xla.gpu.triton") == 2  # the amax pass and the quantize pass
     assert "divf" not in text and "div.rn.f32" in text

@@ -6,30 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import assert_same_qarray, lower_for_h200, same_bits
 
 import fp4lab
-from pallas_kernels.quantize import (KernelConfig, dequantize, quantize,
-                                     quantize_weight_nvfp4, supports)
+from pallas_kernels.quantize import (
+    KernelConfig,
+    dequantize,
+    quantize,
+    quantize_weight_nvfp4,
+    supports,
+)
 
 FORMATS = ["nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp8_floor", "mxfp4", "mxfp4_floor"]
 SHAPES = [(1, 16), (5, 40), (3, 7, 100), (64, 256), (33, 520), (300,)]
 SMALL = KernelConfig(block_rows=16, block_cols=64)  # several tiles even on small inputs
-
-
-def same_bits(a, b):
-    a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-
-
-def assert_same_qarray(k, r):
-    same_bits(k.data, r.data)
-    same_bits(k.scale, r.scale)
-    if r.global_scale is None:
-        assert k.global_scale is None
-    else:
-        same_bits(k.global_scale, r.global_scale)
-    assert (k.format, k.axis, k.tile, k.shape) == (r.format, r.axis, r.tile, r.shape)
 
 
 def special(shape, dtype, seed=0):
@@ -102,27 +92,24 @@ def test_unsupported_inputs_say_why():
         quantize(jnp.ones((4, 32)), "nvfp5")
 
 
-def _lower_for_h200(f, *args):
-    from jax._src import mesh as mesh_lib
-
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernels_lower_for_an_abstract_h200(fmt):
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-    text = _lower_for_h200(lambda x: quantize(x, fmt, interpret=False), x)
+    text = lower_for_h200(lambda x: quantize(x, fmt, interpret=False), x)
     assert text.count("xla.gpu.triton") == 1
     # no approximate division anywhere (Triton's float32 `/` is approximate on NVIDIA GPUs);
     # NVFP4's divisions are the PTX div.rn.f32 instruction
     assert "divf" not in text
     if fmt == "nvfp4":
         assert "div.rn.f32" in text
-        text = _lower_for_h200(lambda w: quantize_weight_nvfp4(w, interpret=False), x)
+        text = lower_for_h200(lambda w: quantize_weight_nvfp4(w, interpret=False), x)
         assert text.count("xla.gpu.triton") == 1 and "divf" not in text
     q = jax.eval_shape(lambda x: fp4lab.quantize(x, fmt), x)
-    text = _lower_for_h200(lambda q: dequantize(q, interpret=False), q)
+    text = lower_for_h200(lambda q: dequantize(q, interpret=False), q)
     assert text.count("xla.gpu.triton") == 1 and "divf" not in text
+
+
+def test_nvfp4_tiles_of_a_stack_of_matrices():
+    w = special((3, 40, 48), jnp.float32, seed=5)  # experts, or a GEMM's canonical (B, K, N)
+    assert_same_qarray(quantize(w, "nvfp4", tile=(16, 16), config=SMALL),
+                       fp4lab.quantize(w, "nvfp4", tile=(16, 16)))
