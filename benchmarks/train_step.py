@@ -41,7 +41,7 @@ def init(key, layers: int, dim: int):
             for i in range(layers)]
 
 
-def make_step(recipe, lr=1e-2):
+def make_step(recipe, lr=1e-2, backend="auto"):
     recipe = get_recipe(recipe)
 
     def loss_fn(params, x, key):
@@ -49,10 +49,12 @@ def make_step(recipe, lr=1e-2):
         for i, p in enumerate(params):
             k = jax.random.fold_in(key, i)
             u = qdot_general(h.astype(jnp.bfloat16), p["up"].astype(jnp.bfloat16), DN, recipe,
-                             key=jax.random.fold_in(k, 0), preferred_element_type=jnp.float32)
+                             key=jax.random.fold_in(k, 0), preferred_element_type=jnp.float32,
+                             backend=backend)
             h = h + qdot_general(jax.nn.gelu(u).astype(jnp.bfloat16),
                                  p["down"].astype(jnp.bfloat16), DN, recipe,
-                                 key=jax.random.fold_in(k, 1), preferred_element_type=jnp.float32)
+                                 key=jax.random.fold_in(k, 1), preferred_element_type=jnp.float32,
+                                 backend=backend)
         return jnp.mean(jnp.square(h))
 
     chex.clear_trace_counter()  # counts are per code object: start each recipe at zero
@@ -65,8 +67,8 @@ def make_step(recipe, lr=1e-2):
     return jax.jit(step, donate_argnums=0)
 
 
-def time_recipe(recipe, params, x, reps: int, runs: int) -> float:
-    step = make_step(recipe)
+def time_recipe(recipe, params, x, reps: int, runs: int, backend: str = "auto") -> float:
+    step = make_step(recipe, backend=backend)
     keys = list(jax.random.split(jax.random.key(1), reps * (runs + 1)))  # sliced before the guard
     params, loss = step(params, x, keys[0])  # compile
     jax.block_until_ready(loss)
@@ -89,17 +91,18 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5, help="steps per sync")
     ap.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    ap.add_argument("--backend", default="auto", help="auto, xla or pallas (quantizers)")
     args = ap.parse_args(argv)
     recipes = [get_recipe(r) for r in args.recipes.split(",")]
     x = jax.random.normal(jax.random.key(0), (args.tokens, args.dim))
     print(f"{args.layers} blocks of {args.dim} -> {4 * args.dim} -> {args.dim}, "
-          f"{args.tokens} tokens, {jax.devices()[0].platform}; median of {args.runs} runs of "
-          f"{args.reps} steps")
+          f"{args.tokens} tokens, {jax.devices()[0].platform}, quantizer backend "
+          f"{args.backend}; median of {args.runs} runs of {args.reps} steps")
     base = None
     print(f"{'recipe':22s} {'ms/step':>9s} {'vs bf16':>8s}")
     for r in [get_recipe("bf16")] + [r for r in recipes if r.name != "bf16"]:
         t = time_recipe(r, init(jax.random.key(2), args.layers, args.dim), x, args.reps,
-                        args.runs)
+                        args.runs, backend="xla" if r.name == "bf16" else args.backend)
         base = base or t
         print(f"{r.name:22s} {t * 1e3:9.2f} {t / base:7.2f}x", flush=True)
 

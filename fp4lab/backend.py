@@ -31,12 +31,9 @@ class KernelFallback(UserWarning):
 def _kernel_reason(fmt, axis_from_end: int, tile, rounding: str, extra: str | None):
     if extra:
         return extra
-    if rounding != "nearest":
-        return ("stochastic rounding of a single tensor runs in XLA (the fused RHT + NVFP4 + "
-                "SR kernel serves the NVFP4 wgrad operands inside qdot_general)")
     from pallas_kernels.quantize import supports
 
-    return supports(fmt, axis_from_end, tile)
+    return supports(fmt, axis_from_end, tile, rounding)
 
 
 def choose(backend: str, fmt, *, axis_from_end: int = -1, tile=None, rounding="nearest",

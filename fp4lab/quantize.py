@@ -305,6 +305,7 @@ def quantize(
         from pallas_kernels import quantize as kernels
 
         return kernels.quantize(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
+                                rounding=rounding, key=key,
                                 interpret=jax.default_backend() != "gpu")
     return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
 
@@ -400,25 +401,32 @@ def fake_quant(
     if _backend.choose(backend, fmt, axis_from_end=-1 if moved else ax - x.ndim, tile=tile,
                        rounding=rounding, unsupported=masked) == "pallas":
         if moved:
-            y = _kernel_fake_quant(jnp.moveaxis(x, ax, -1), global_amax, fmt, -1, None)
+            y = _kernel_fake_quant(jnp.moveaxis(x, ax, -1), global_amax, key, fmt, -1, None,
+                                   rounding)
             return jnp.moveaxis(y, -1, ax)
-        return _kernel_fake_quant(x, global_amax, fmt, ax - x.ndim, tile)
+        return _kernel_fake_quant(x, global_amax, key, fmt, ax - x.ndim, tile, rounding)
     return _fake_quant(x, key, global_amax, fmt=fmt, g=g, rounding=rounding,
                        mask_saturated=bool(mask_saturated))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _kernel_fake_quant(x, global_amax, fmt, axis, tile):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _kernel_fake_quant(x, global_amax, key, fmt, axis, tile, rounding):
     from pallas_kernels import quantize as kernels
 
     interpret = jax.default_backend() != "gpu"
     q = kernels.quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax,
-                         interpret=interpret)
+                         rounding=rounding, key=key, interpret=interpret)
     if tile:
         return _dequantize(q, x.dtype)
     return kernels.dequantize(q, x.dtype, interpret=interpret)
 
 
-_kernel_fake_quant.defvjp(
-    lambda x, a, fmt, axis, tile: (_kernel_fake_quant(x, a, fmt, axis, tile), None),
-    lambda fmt, axis, tile, _, dy: (dy, None))
+def _kernel_fq_fwd(x, global_amax, key, fmt, axis, tile, rounding):
+    return _kernel_fake_quant(x, global_amax, key, fmt, axis, tile, rounding), None
+
+
+def _kernel_fq_bwd(fmt, axis, tile, rounding, _, dy):
+    return dy, None, None  # straight through
+
+
+_kernel_fake_quant.defvjp(_kernel_fq_fwd, _kernel_fq_bwd)

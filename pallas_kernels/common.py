@@ -13,17 +13,22 @@ what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
 * :func:`e2m1_code`: round-to-nearest-even onto the E2M1 grid and its 4-bit code in one step
   (ties go to the even code, magnitudes above 5 saturate to 6, NaN gives +0, the sign of
   zero is kept);
-* :func:`pack_pairs`: two 4-bit codes per byte, element ``2i`` in the low nibble.
+* :func:`pack_pairs`: two 4-bit codes per byte, element ``2i`` in the low nibble;
+* :func:`hash_uniform` / :func:`stochastic_e2m1`: stochastic rounding onto E2M1 with uniforms
+  from a counter-based hash of the element's position and a seed (``jax.random`` does not lower
+  inside Triton kernels, shared/GPU.md): unbiased and deterministic per seed, with other bits
+  than ``jax.random``'s.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs", "unpack_pairs",
-           "pow2", "FLT_MAX"]
+           "pow2", "hash_uniform", "stochastic_e2m1", "element_index", "FLT_MAX"]
 
 FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -100,3 +105,36 @@ def e2m1_value(code):
     m = (code & 1).astype(jnp.float32)
     mag = jnp.where(e == 0, m * 0.5, pow2(e - 1) * (1.0 + m * 0.5))
     return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def _lowbias32(h):
+    """Chris Wellons' lowbias32 integer hash (uint32 arithmetic, wrapping)."""
+    h = h ^ lax.shift_right_logical(h, jnp.uint32(16))
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ lax.shift_right_logical(h, jnp.uint32(15))
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ lax.shift_right_logical(h, jnp.uint32(16))
+
+
+def hash_uniform(index, seed):
+    """Uniforms in [0, 1) with 24 bits from element positions ``index`` (uint32) and a
+    ``seed`` (uint32): ``lowbias32(lowbias32(index) ^ lowbias32(seed))``."""
+    h = _lowbias32(_lowbias32(index) ^ _lowbias32(seed))
+    return lax.shift_right_logical(h, jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def stochastic_e2m1(v, u):
+    """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac))."""
+    a = jnp.minimum(jnp.abs(v), 6.0)
+    e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
+    t = a * pow2(1 - e)
+    lo = jnp.floor(t)
+    r = (lo + (u < (t - lo)).astype(jnp.float32)) * pow2(e - 1)
+    return jnp.where(v < 0, -r, jnp.where(jnp.isnan(v), jnp.nan, r))
+
+
+def element_index(shape, row0, col0, row_stride):
+    """uint32 positions ``(row0 + i) * row_stride + col0 + j`` of a tile's elements."""
+    row = lax.broadcasted_iota(jnp.uint32, shape, 0) + row0.astype(jnp.uint32)
+    col = lax.broadcasted_iota(jnp.uint32, shape, 1) + col0.astype(jnp.uint32)
+    return row * jnp.uint32(row_stride) + col

@@ -33,7 +33,8 @@ from fp4lab.quantize import QArray
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (FLT_MAX, abs_max_bits, bits, div, e2m1_code, e2m1_value,
-                                   from_bits, pack_pairs, pow2, unpack_pairs)
+                                   element_index, from_bits, hash_uniform, pack_pairs, pow2,
+                                   stochastic_e2m1, unpack_pairs)
 
 __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig"]
 
@@ -52,10 +53,13 @@ def _interpret_default(interpret):
     return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def supports(fmt: Format, axis: int, tile) -> str | None:
+def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | None:
     """``None`` when a kernel covers this quantization, else the reason it does not."""
     if fmt.granularity != "block":
         return f"{fmt.name} is not a block format"
+    if rounding == "stochastic" and (tile is not None or fmt.element.name != "e2m1"):
+        return ("stochastic rounding kernels cover 1D-blocked E2M1 formats (NVFP4, MXFP4), "
+                f"not {fmt.name}" + (f" with tile={tile}" if tile else ""))
     if isinstance(fmt.scaling, NVFP4Scale):
         if tile not in (None, (16, 16)):
             return f"NVFP4 kernels cover 1D blocks and 16x16 tiles, not tile={tile}"
@@ -87,14 +91,27 @@ def _nvfp4_scales(bamax, amax, *, interpret):
     return s_b, enc
 
 
-def _nvfp4_1d_kernel(amax_ref, x_ref, q_ref, s_ref, *, interpret):
+def _round_e2m1(v, seed_ref, stochastic, row_stride):
+    """E2M1 codes of a ``(tm, tk)`` tile of scaled values: nearest-even, or stochastic with
+    uniforms hashed from the element's position in the padded output and the seed."""
+    if stochastic:
+        tm, tk = v.shape
+        index = element_index(v.shape, pl.program_id(0) * tm, pl.program_id(1) * tk,
+                              row_stride)
+        v = stochastic_e2m1(v, hash_uniform(index, seed_ref[...].reshape(1, 1)))
+    return e2m1_code(v)
+
+
+def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, interpret, stochastic,
+                     row_stride):
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
     xb = x.reshape(tm, tk // 16, 16)
     amax = amax_ref[...].reshape(1, 1, 1)
     s_b, enc = _nvfp4_scales(abs_max_bits(xb, 2), jnp.broadcast_to(amax, (tm, tk // 16, 1)),
                              interpret=interpret)
-    q_ref[...] = pack_pairs(e2m1_code(xb * enc).reshape(tm, tk))
+    codes = _round_e2m1((xb * enc).reshape(tm, tk), seed_ref, stochastic, row_stride)
+    q_ref[...] = pack_pairs(codes)
     s_ref[...] = s_b.reshape(tm, tk // 16)
 
 
@@ -114,7 +131,8 @@ def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, interpret
     st_ref[...] = s.T
 
 
-def _mx_kernel(x_ref, q_ref, s_ref, *, fmt: Format, interpret):
+def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochastic,
+               row_stride):
     del interpret  # power-of-two scales: no division
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
@@ -136,7 +154,8 @@ def _mx_kernel(x_ref, q_ref, s_ref, *, fmt: Format, interpret):
     mult = jnp.where(finite, pow2(jnp.clip(-e, -126, 127)), 0.0)
     v = xb * mult
     if el.name == "e2m1":
-        codes = jnp.where(finite, e2m1_code(v), 0).reshape(tm, tk)
+        codes = _round_e2m1(v.reshape(tm, tk), seed_ref, stochastic, row_stride)
+        codes = jnp.where(finite, codes.reshape(tm, tk // 32, 32), 0).reshape(tm, tk)
         q_ref[...] = pack_pairs(codes)
     else:
         a = jnp.minimum(jnp.abs(v), el.max)  # saturate; keep the sign bit (and -0):
@@ -204,8 +223,9 @@ def _check_input(x):
         raise ValueError(f"quantize kernels need a non-empty array, got shape {x.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret"))
-def _quantize_1d(x, global_amax, *, fmt: Format, cfg: KernelConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "rounding"))
+def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpret: bool,
+                 rounding: str = "nearest"):
     shape = x.shape
     block = fmt.block
     k_padded = -(-shape[-1] // block) * block  # the reference's padded length
@@ -221,21 +241,24 @@ def _quantize_1d(x, global_amax, *, fmt: Format, cfg: KernelConfig, interpret: b
     out_specs = [pl.BlockSpec((tm, q_cols), lambda i, j: (i, j)),
                  pl.BlockSpec((tm, tk // block), lambda i, j: (i, j))]
     x_spec = pl.BlockSpec((tm, tk), lambda i, j: (i, j))
+    scalar = pl.BlockSpec((1, 1), lambda i, j: (0, 0))
+    stochastic = rounding == "stochastic"
+    seed = (jax.random.bits(key, (), jnp.uint32) if stochastic else jnp.uint32(0)).reshape(1, 1)
+    sr = dict(interpret=interpret, stochastic=stochastic, row_stride=kp)
     if isinstance(fmt.scaling, NVFP4Scale):
         amax = _tensor_amax(x, global_amax)
-        kernel = functools.partial(_nvfp4_1d_kernel, interpret=interpret)
         q, s = pl.pallas_call(
-            kernel, out_shape=out_shape, grid=grid,
-            in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)), x_spec], out_specs=out_specs,
+            functools.partial(_nvfp4_1d_kernel, **sr), out_shape=out_shape, grid=grid,
+            in_specs=[scalar, scalar, x_spec], out_specs=out_specs,
             interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
-            name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), x2)
+            name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), seed, x2)
         global_scale = amax
     else:
-        kernel = functools.partial(_mx_kernel, fmt=fmt, interpret=interpret)
         q, s = pl.pallas_call(
-            kernel, out_shape=out_shape, grid=grid, in_specs=[x_spec], out_specs=out_specs,
+            functools.partial(_mx_kernel, fmt=fmt, **sr), out_shape=out_shape, grid=grid,
+            in_specs=[scalar, x_spec], out_specs=out_specs,
             interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
-            name=f"fp4lab_{fmt.name}_quantize")(x2)
+            name=f"fp4lab_{fmt.name}_quantize")(seed, x2)
         global_scale = None
     m = math.prod(shape[:-1])
     q_len = k_padded // 2 if packed else k_padded
@@ -245,18 +268,23 @@ def _quantize_1d(x, global_amax, *, fmt: Format, cfg: KernelConfig, interpret: b
 
 
 def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=None,
-             interpret: bool | None = None, config: KernelConfig = KernelConfig()) -> QArray:
-    """The kernel path of :func:`fp4lab.quantize` (round-to-nearest) for NVFP4 (1D, or
-    ``tile=(16, 16)``), MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4 along the last axis.
+             rounding: str = "nearest", key=None, interpret: bool | None = None,
+             config: KernelConfig = KernelConfig()) -> QArray:
+    """The kernel path of :func:`fp4lab.quantize` for NVFP4 (1D, or ``tile=(16, 16)``),
+    MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4 along the last axis: round-to-nearest equal to
+    the reference bit for bit; stochastic rounding (1D E2M1 formats) unbiased and
+    deterministic per ``key``, with hashed rather than ``jax.random`` bits.
 
     ``interpret`` defaults to True off the GPU (CPU tests run the same kernel bodies)."""
     fmt = get_format(fmt)
     x = jnp.asarray(x)
     _check_input(x)
     axis = axis if axis < 0 else axis - x.ndim
-    reason = supports(fmt, axis, tile)
+    reason = supports(fmt, axis, tile, rounding)
     if reason:
         raise ValueError(f"no kernel: {reason}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs key=jax.random.key(...)")
     interpret = _interpret_default(interpret)
     if tile is not None:
         if x.ndim == 2:
@@ -271,7 +299,8 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
         return QArray(q.reshape(*x.shape[:-2], *q.shape[-2:]),
                       s.reshape(*x.shape[:-2], *s.shape[-2:]), amax, fmt, x.ndim - 1, tile,
                       x.shape)
-    return _quantize_1d(x, global_amax, fmt=fmt, cfg=config, interpret=interpret)
+    return _quantize_1d(x, global_amax, key, fmt=fmt, cfg=config, interpret=interpret,
+                        rounding=rounding)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))

@@ -36,27 +36,12 @@ from jax.experimental import pallas as pl
 from fp4lab.formats import get_format
 from fp4lab.hadamard import rht_matrix
 from fp4lab.quantize import QArray
-from pallas_kernels.common import abs_max_bits, bits, e2m1_code, pack_pairs, pow2
+from pallas_kernels.common import (abs_max_bits, e2m1_code, element_index, hash_uniform,
+                                   pack_pairs, stochastic_e2m1)
 from pallas_kernels.quantize import (KernelConfig, _check_input, _compiler_params,
                                      _interpret_default, _nvfp4_scales, _rows_and_pad)
 
-__all__ = ["rht_quantize_nvfp4", "hash_uniform"]
-
-
-def _lowbias32(h):
-    """Chris Wellons' lowbias32 integer hash (uint32 arithmetic, wrapping)."""
-    h = h ^ lax.shift_right_logical(h, jnp.uint32(16))
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ lax.shift_right_logical(h, jnp.uint32(15))
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ lax.shift_right_logical(h, jnp.uint32(16))
-
-
-def hash_uniform(index, seed):
-    """Uniforms in [0, 1) with 24 bits from element positions ``index`` (uint32) and a
-    ``seed`` (uint32): ``lowbias32(lowbias32(index) ^ lowbias32(seed))``."""
-    h = _lowbias32(_lowbias32(index) ^ _lowbias32(seed))
-    return lax.shift_right_logical(h, jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+__all__ = ["rht_quantize_nvfp4"]
 
 
 def _transform(x_ref, bd_ref, dtype):
@@ -73,16 +58,6 @@ def _amax_kernel(x_ref, bd_ref, amax_ref, *, dtype):
     amax_ref[...] = abs_max_bits(abs_max_bits(y, 1), 0)  # one axis at a time (Triton)
 
 
-def _stochastic_e2m1(v, u):
-    """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac))."""
-    a = jnp.minimum(jnp.abs(v), 6.0)
-    e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
-    t = a * pow2(1 - e)
-    lo = jnp.floor(t)
-    r = (lo + (u < (t - lo)).astype(jnp.float32)) * pow2(e - 1)
-    return jnp.where(v < 0, -r, jnp.where(jnp.isnan(v), jnp.nan, r))
-
-
 def _quantize_kernel(amax_ref, seed_ref, x_ref, bd_ref, q_ref, s_ref, *, dtype, stochastic,
                      m_total, interpret):
     y = _transform(x_ref, bd_ref, dtype)  # (TK, TM): rows are output rows (K)
@@ -93,12 +68,8 @@ def _quantize_kernel(amax_ref, seed_ref, x_ref, bd_ref, q_ref, s_ref, *, dtype, 
     s_b, enc = _nvfp4_scales(stat, jnp.broadcast_to(amax, stat.shape), interpret=interpret)
     v = (yb * enc).reshape(tk, tm)
     if stochastic:
-        row = lax.broadcasted_iota(jnp.uint32, (tk, tm), 0) + (
-            pl.program_id(1) * tk).astype(jnp.uint32)
-        col = lax.broadcasted_iota(jnp.uint32, (tk, tm), 1) + (
-            pl.program_id(0) * tm).astype(jnp.uint32)
-        u = hash_uniform(row * jnp.uint32(m_total) + col, seed_ref[...].reshape(1, 1))
-        v = _stochastic_e2m1(v, u)
+        index = element_index((tk, tm), pl.program_id(1) * tk, pl.program_id(0) * tm, m_total)
+        v = stochastic_e2m1(v, hash_uniform(index, seed_ref[...].reshape(1, 1)))
     q_ref[...] = pack_pairs(e2m1_code(v))
     s_ref[...] = s_b.reshape(tk, tm // 16)
 

@@ -104,6 +104,11 @@ def test_kernels_lower_for_an_abstract_h200(fmt):
         assert "div.rn.f32" in text
         text = lower_for_h200(lambda w: quantize_weight_nvfp4(w, interpret=False), x)
         assert text.count("xla.gpu.triton") == 1 and "divf" not in text
+    if fmt in ("nvfp4", "mxfp4"):  # the stochastic-rounding variant (hashed uniforms)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        text = lower_for_h200(lambda x, k: quantize(x, fmt, rounding="stochastic", key=k,
+                                                    interpret=False), x, key)
+        assert text.count("xla.gpu.triton") == 1 and "divf" not in text
     q = jax.eval_shape(lambda x: fp4lab.quantize(x, fmt), x)
     text = lower_for_h200(lambda q: dequantize(q, interpret=False), q)
     assert text.count("xla.gpu.triton") == 1 and "divf" not in text
@@ -113,3 +118,24 @@ def test_nvfp4_tiles_of_a_stack_of_matrices():
     w = special((3, 40, 48), jnp.float32, seed=5)  # experts, or a GEMM's canonical (B, K, N)
     assert_same_qarray(quantize(w, "nvfp4", tile=(16, 16), config=SMALL),
                        fp4lab.quantize(w, "nvfp4", tile=(16, 16)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_stochastic_rounding_kernels_are_unbiased_and_deterministic(fmt):
+    x = special((16, 96), jnp.float32, seed=4).at[0, 0].set(1e4)  # one block with an outlier
+    ref = fp4lab.quantize(x, fmt, rounding="stochastic", key=jax.random.key(0))
+    f = jax.jit(lambda k: quantize(x, fmt, rounding="stochastic", key=k, config=SMALL))
+    q = f(jax.random.key(0))
+    same_bits(q.scale, ref.scale)  # scales do not depend on the rounding
+    mean = np.mean([np.asarray(fp4lab.dequantize(f(jax.random.key(i)))) for i in range(96)],
+                   axis=0)
+    rne_err = np.abs(np.asarray(fp4lab.dequantize(fp4lab.quantize(x, fmt))) - np.asarray(x))
+    sr_err = np.abs(mean - np.asarray(x))
+    assert sr_err.mean() < 0.35 * rne_err.mean(), (sr_err.mean(), rne_err.mean())
+    same_bits(f(jax.random.key(3)).data, f(jax.random.key(3)).data)
+    assert not np.array_equal(np.asarray(f(jax.random.key(3)).data),
+                              np.asarray(f(jax.random.key(4)).data))
+    with pytest.raises(ValueError, match="stochastic rounding kernels cover 1D-blocked E2M1"):
+        quantize(x, "mxfp8", rounding="stochastic", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="needs key"):
+        quantize(x, fmt, rounding="stochastic")
