@@ -161,7 +161,8 @@ def _plot(results: list[dict], path: str) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("fp4lab compare: every format on every tensor (BF16 input, blocks on the last axis)")
+    fig.suptitle("fp4lab compare: every format on every tensor "
+                 "(BF16 input, blocks on the last axis)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp.png"

@@ -14,9 +14,10 @@ the blocks (one entry per block, broadcastable against the elements):
   its formats).
 
 The arithmetic is written exactly as shared/NUMERICS.md states it, one float32 operation per
-``fl()``, in the order given there. On XLA:CPU float32 subnormals are flushed to zero
-(inputs and results): values and intermediates below 2**-126 in magnitude count as zero.
-That matters only for tensors or blocks whose amax is below ~1e-35; see NUMERICS notes in
+``fl()``, in the order given there; every division is :func:`fp4lab.rounding.div`, correctly
+rounded on GPUs too (XLA's GPU division is approximate). On XLA:CPU float32 subnormals are
+flushed to zero (inputs and results): values and intermediates below 2**-126 in magnitude
+count as zero. That matters only for tensors or blocks whose amax is below ~1e-35; see NUMERICS notes in
 ``fp4lab.quantize``.
 """
 
@@ -100,9 +101,9 @@ class AbsMaxScale(ScaleScheme):
     scaling), DeepSeek-V3 style 1x128 / 128x128 FP8 and symmetric INT8/INT4."""
 
     def encode(self, stat, tensor_amax, element):
-        scale = jnp.minimum(F32(element.max) / stat, FLT_MAX)
+        scale = jnp.minimum(rounding.div(F32(element.max), stat), FLT_MAX)
         scale = jnp.where((stat == 0) | jnp.isinf(stat), F32(1), scale)
-        return F32(1) / scale, scale
+        return rounding.div(F32(1), scale), scale
 
     def decode(self, scale, tensor_amax, element):
         return (scale,)
@@ -129,12 +130,12 @@ class NVFP4Scale(ScaleScheme):
     uses_tensor_amax = True
 
     def encode(self, stat, tensor_amax, element):
-        s_enc = jnp.minimum(F32(2688) / tensor_amax, FLT_MAX)
+        s_enc = jnp.minimum(rounding.div(F32(2688), tensor_amax), FLT_MAX)
         s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
-        s_dec = F32(1) / s_enc
+        s_dec = rounding.div(F32(1), s_enc)
         s_b = jnp.minimum(stat * (s_enc * _f32_div(1, 6)), FLT_MAX)
         s_b = jnp.minimum(s_b, F32(448)).astype(jnp.float8_e4m3fn)
-        enc = jnp.minimum(F32(1) / (s_b.astype(jnp.float32) * s_dec), FLT_MAX)
+        enc = jnp.minimum(rounding.div(F32(1), s_b.astype(jnp.float32) * s_dec), FLT_MAX)
         return s_b, enc
 
     def decode(self, scale, tensor_amax, element):
@@ -214,8 +215,8 @@ class GGMLQ4_0Scale(ScaleScheme):
         return jnp.take_along_axis(xb, idx, axis=axis)
 
     def encode(self, stat, tensor_amax, element):
-        d = stat / F32(-8)
-        inv = jnp.where(d != 0, F32(1) / d, F32(0))
+        d = rounding.div(stat, F32(-8))
+        inv = jnp.where(d != 0, rounding.div(F32(1), d), F32(0))
         return d.astype(jnp.float16), inv
 
     def decode(self, scale, tensor_amax, element):
@@ -235,8 +236,8 @@ class GGMLQ8_0Scale(ScaleScheme):
     scale_bits = 16
 
     def encode(self, stat, tensor_amax, element):
-        d = stat / F32(127)
-        inv = jnp.where(d != 0, F32(1) / d, F32(0))
+        d = rounding.div(stat, F32(127))
+        inv = jnp.where(d != 0, rounding.div(F32(1), d), F32(0))
         return d.astype(jnp.float16), inv
 
     def decode(self, scale, tensor_amax, element):
