@@ -17,8 +17,8 @@ The arithmetic is written exactly as shared/NUMERICS.md states it, one float32 o
 ``fl()``, in the order given there; every division is :func:`fp4lab.rounding.div`, correctly
 rounded on GPUs too (XLA's GPU division is approximate). On XLA:CPU float32 subnormals are
 flushed to zero (inputs and results): values and intermediates below 2**-126 in magnitude
-count as zero. That matters only for tensors or blocks whose amax is below ~1e-35; see NUMERICS notes in
-``fp4lab.quantize``.
+count as zero. That matters only for tensors or blocks whose amax is below ~1e-35; see the
+NUMERICS notes in ``fp4lab.quantize``.
 """
 
 from __future__ import annotations

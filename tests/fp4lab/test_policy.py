@@ -45,7 +45,8 @@ def test_nemotron3_ablations():
     assert t["blocks_11/mlp/up"] == "nvfp4"
 
 
-@pytest.mark.parametrize("n,bf16_blocks", [(12, {0, 10, 11}), (7, {0, 6}), (62, {0, 1, *range(54, 62)})])
+@pytest.mark.parametrize("n,bf16_blocks",
+                         [(12, {0, 10, 11}), (7, {0, 6}), (62, {0, 1, *range(54, 62)})])
 def test_nvfp4_paper_scales_with_depth(n, bf16_blocks):
     paths = [f"layers_{i}/mlp/up" for i in range(n)]
     t = by_path(explain(nvfp4_paper(), paths))
