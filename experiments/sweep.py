@@ -43,13 +43,14 @@ def run_name(policy: str) -> str:
 def _run_one(config, policy: str, runs_dir: Path, retry_failed: bool, progress: bool) -> dict:
     name = run_name(policy)
     workdir = runs_dir / name
+    c = config.copy_and_resolve_references()
+    c.name, c.precision.policy = name, policy
+    _check_same_config(c, workdir)
     done = workdir / "result.json"
     if done.exists():
         result = json.loads(done.read_text())
         if result["status"] == "ok" or not retry_failed:
             return result
-    c = config.copy_and_resolve_references()
-    c.name, c.precision.policy = name, policy
     try:
         return train(c, workdir, progress=progress)
     except KeyboardInterrupt:
@@ -62,6 +63,21 @@ def _run_one(config, policy: str, runs_dir: Path, retry_failed: bool, progress: 
         write_json_atomic(done, result)
         print(f"run {policy} FAILED: {result['error']}")
         return result
+
+
+def _check_same_config(c, workdir: Path):
+    """A finished or interrupted run is reused only if it was trained with this config."""
+    stored = workdir / "config.json"
+    if not stored.exists():
+        return
+    old = json.loads(stored.read_text())
+    new = json.loads(json.dumps(c.to_dict(), sort_keys=True, default=float))
+    differ = sorted(f"{s}.{k}" for s in new if isinstance(new[s], dict)
+                    for k in new[s] if old.get(s, {}).get(k) != new[s][k])
+    differ += sorted(k for k in new if not isinstance(new[k], dict) and old.get(k) != new[k])
+    if differ:
+        raise ValueError(f"{workdir} holds a run trained with another config (differs in "
+                         f"{', '.join(differ)}); use another --out or remove that folder")
 
 
 def run_sweep(config, out: str | Path, *, retry_failed: bool = False,

@@ -43,6 +43,9 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, text, 
     calls.clear()
     sweep.run_sweep(config, tmp_path, progress=False, retry_failed=True)
     assert calls == ["nvfp5"]
+    config.train.lr = 1e-2  # another config must not silently reuse these runs
+    with pytest.raises(ValueError, match="another config \\(differs in train.lr\\)"):
+        sweep.run_sweep(config, tmp_path, progress=False)
 
 
 def test_results_table_gaps_and_speed_are_relative_to_bf16():
