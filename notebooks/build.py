@@ -43,17 +43,21 @@ def grid(el):
     vals = np.asarray(vals)
     return np.unique(vals[np.isfinite(vals) & (vals > 0)])
 
-fig, ax = plt.subplots(figsize=(9, 2.8))
+fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), height_ratios=[3, 1])
 for i, el in enumerate([E2M1, E4M3, E5M2]):
     g = grid(el)
-    ax.scatter(g, np.full(g.size, i), s=6)
+    axes[0].scatter(g, np.full(g.size, i), marker="|", s=120)
     print(f"{el.name}: {g.size} positive values from {g.min():.3g} to {g.max():.6g}")
-e8m0 = 2.0 ** np.arange(-127, 128)
-ax.scatter(e8m0, np.full(e8m0.size, 3), s=4)
-ax.set_xscale("log", base=2)
-ax.set_yticks(range(4), ["E2M1", "E4M3", "E5M2", "E8M0 (scale)"])
-ax.set_title("positive values of each element format")
-plt.show()"""),
+axes[0].set_xscale("log", base=2)
+axes[0].set_yticks(range(3), ["E2M1", "E4M3", "E5M2"])
+axes[0].set_title("positive values of the element formats (denser where precision is higher)")
+g = grid(E2M1)
+axes[1].scatter(g, np.zeros(g.size), marker="|", s=300)
+for v in g:
+    axes[1].annotate(f"{v:g}", (v, 0), textcoords="offset points", xytext=(0, 10), ha="center")
+axes[1].set_yticks([]); axes[1].set_xlim(-0.2, 6.5); axes[1].set_title("E2M1 on a linear axis")
+plt.tight_layout(); plt.show()
+print("E8M0, the MX block scale: every power of two from 2^-127 to 2^127 (byte 0xFF is NaN)")"""),
     ("md", """## Two-level scaling covers the dynamic range
 A tensor whose rows span 12 orders of magnitude, quantized to NVFP4 (E4M3 block scale ×
 FP32 tensor scale) and to MXFP4 (E8M0 power-of-two block scale): the relative error per row
