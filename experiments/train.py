@@ -283,7 +283,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                        bad_step=jnp.int32(-1))
     state = jax.device_put(state, replicated)
 
-    qmodel = quantize_model(model, policy)
+    qmodel = quantize_model(model, policy, backend=config.precision.get("backend", "auto"))
     bf16_model = quantize_model(model, policies.get("bf16"))
     probes = qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None
     steps_fn = {}

@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
         log_every=10, eval_every=0, ckpt_every=50,
         bf16_last_fraction=0.0))  # the late precision switch: last fraction of steps in BF16
 
-    c.precision = ml_collections.ConfigDict(dict(policy="nemotron3"))
+    # backend: "auto" (Pallas kernels on a GPU), "xla" or "pallas" (fp4lab.backend)
+    c.precision = ml_collections.ConfigDict(dict(policy="nemotron3", backend="auto"))
     c.probes = ml_collections.ConfigDict(dict(every=25, fused=True))
     return c

@@ -59,15 +59,16 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
 
 
 def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int | None = None,
-                   seed: int = 0):
+                   seed: int = 0, backend: str = "auto"):
     """Apply ``policy`` to a model written without fp4lab (see module docstring).
 
     NNX: installs the quantized hook in every governed layer, in place, and returns the model;
     each layer's SR stream is seeded from ``seed`` and its path (stable across processes).
-    Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``)."""
+    Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``).
+    ``backend``: which implementation quantizes (:mod:`fp4lab.backend`)."""
     policy = get_policy(policy)
     if isinstance(model, nn.Module):
-        return QuantizedLinen(model, policy, num_blocks)
+        return QuantizedLinen(model, policy, num_blocks, backend)
     if not isinstance(model, flax_nnx.Module):
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
@@ -80,5 +81,5 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int
         layer_seed = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
         # nnx.data: the hook was a static attribute (a function); the op carries rng state
         setattr(m, hook, flax_nnx.data(op(policy.recipe_for(name, kind, num_blocks),
-                                          seed=layer_seed)))
+                                          seed=layer_seed, backend=backend)))
     return model

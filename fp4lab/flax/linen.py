@@ -43,7 +43,7 @@ def _linen_probe(module: nn.Module):
 
 
 @contextlib.contextmanager
-def _dot_general_hook(module: nn.Module, recipe: Recipe):
+def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
     """Route a Linen ``Dense``/``DenseGeneral``'s ``dot_general`` through ``qdot_general`` for
     the duration of one call (Linen modules are frozen dataclasses; the hook is restored)."""
 
@@ -51,7 +51,7 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe):
                     **unused):
         return qdot_general(lhs, rhs, dimension_numbers, recipe,
                             key=_linen_key(module, recipe), probe=_linen_probe(module),
-                            preferred_element_type=preferred_element_type)
+                            backend=backend, preferred_element_type=preferred_element_type)
 
     saved = module.dot_general, module.dot_general_cls
     object.__setattr__(module, "dot_general", dot_general)
@@ -63,7 +63,8 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe):
         object.__setattr__(module, "dot_general_cls", saved[1])
 
 
-def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None):
+def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
+                  backend: str = "auto"):
     """``nn.Einsum.__call__`` with the product through ``qeinsum`` (inputs = X, kernel = W)."""
     spec = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
     kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
@@ -73,7 +74,8 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None):
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
     y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
-                probe=_linen_probe(module), preferred_element_type=module.preferred_element_type)
+                probe=_linen_probe(module), backend=backend,
+                preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
 
@@ -81,9 +83,10 @@ class QDense(nn.Dense):
     """``nn.Dense`` whose three GEMMs follow ``recipe`` (parameters ``kernel``, ``bias``)."""
 
     recipe: str | Recipe = "bf16"
+    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
 
     def __call__(self, inputs):
-        with _dot_general_hook(self, get_recipe(self.recipe)):
+        with _dot_general_hook(self, get_recipe(self.recipe), self.backend):
             return super().__call__(inputs)
 
 
@@ -91,9 +94,10 @@ class QDenseGeneral(nn.DenseGeneral):
     """``nn.DenseGeneral`` (any contracting axes, batch dims) whose GEMMs follow ``recipe``."""
 
     recipe: str | Recipe = "bf16"
+    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
 
     def __call__(self, inputs):
-        with _dot_general_hook(self, get_recipe(self.recipe)):
+        with _dot_general_hook(self, get_recipe(self.recipe), self.backend):
             return super().__call__(inputs)
 
 
@@ -101,19 +105,20 @@ class QEinsum(nn.Einsum):
     """``nn.Einsum`` whose GEMMs follow ``recipe``; the input plays X, the kernel W."""
 
     recipe: str | Recipe = "bf16"
+    backend: str = "auto"
 
     @nn.compact
     def __call__(self, inputs, einsum_str: str | None = None):
-        return _linen_einsum(self, get_recipe(self.recipe), inputs, einsum_str)
+        return _linen_einsum(self, get_recipe(self.recipe), inputs, einsum_str, self.backend)
 
 
-def _hooked_call(module, recipe, next_fun, args, kwargs):
-    with _dot_general_hook(module, recipe):
+def _hooked_call(module, recipe, backend, next_fun, args, kwargs):
+    with _dot_general_hook(module, recipe, backend):
         return next_fun(*args, **kwargs)
 
 
-def _einsum_call(module, recipe, next_fun, args, kwargs):
-    return _linen_einsum(module, recipe, *args, **kwargs)
+def _einsum_call(module, recipe, backend, next_fun, args, kwargs):
+    return _linen_einsum(module, recipe, *args, **kwargs, backend=backend)
 
 
 # Linen layer type (exact: subclasses, fp4lab's Q-layers included, are left alone)
@@ -132,6 +137,7 @@ class QuantizedLinen:
     model: nn.Module
     policy: PrecisionPolicy
     num_blocks: int | None = None
+    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
 
     def init(self, *args, **kwargs):
         return self.model.init(*args, **kwargs)
@@ -149,7 +155,7 @@ class QuantizedLinen:
             if context.method_name != "__call__" or kind is None or m.is_initializing():
                 return next_fun(*args, **kwargs)
             recipe = self.policy.recipe_for("/".join(m.scope.path), kind, num_blocks)
-            return call(m, recipe, next_fun, args, kwargs)
+            return call(m, recipe, self.backend, next_fun, args, kwargs)
 
         with nn.intercept_methods(intercept):
             return self.model.apply(variables, *args, **kwargs)

@@ -20,8 +20,10 @@ class QuantDot(nnx.Module):
     """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``; stochastic
     rounding draws from its own ``quant`` stream (from ``rngs.quant`` if given, else ``seed``)."""
 
-    def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0):
+    def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
+                 backend: str = "auto"):
         self.recipe = get_recipe(recipe)
+        self.backend = backend
         self.rngs = nnx.Rngs(quant=rngs.quant() if rngs is not None and "quant" in rngs
                              else seed)
 
@@ -31,6 +33,7 @@ class QuantDot(nnx.Module):
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **unused):
         return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
+                            backend=self.backend,
                             preferred_element_type=preferred_element_type)
 
 
@@ -38,7 +41,7 @@ class QuantEinsum(QuantDot):
     """A drop-in ``einsum_op`` for ``nnx.Einsum`` (the input plays X, the kernel W)."""
 
     def __call__(self, spec, a, b, precision=None, preferred_element_type=None, **unused):
-        return qeinsum(spec, a, b, self.recipe, key=self._key(),
+        return qeinsum(spec, a, b, self.recipe, key=self._key(), backend=self.backend,
                        preferred_element_type=preferred_element_type)
 
 
@@ -46,27 +49,28 @@ class QLinear(nnx.Linear):
     """``nnx.Linear`` whose three GEMMs follow ``recipe``; SR keys from ``rngs.quant``."""
 
     def __init__(self, in_features, out_features, *, recipe: str | Recipe = "bf16",
-                 rngs: nnx.Rngs, **kwargs):
+                 rngs: nnx.Rngs, backend: str = "auto", **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
-        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs))
+        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs, backend=backend))
 
 
 class QLinearGeneral(nnx.LinearGeneral):
     """``nnx.LinearGeneral`` whose GEMMs follow ``recipe``."""
 
     def __init__(self, in_features, out_features, *, recipe: str | Recipe = "bf16",
-                 rngs: nnx.Rngs, **kwargs):
+                 rngs: nnx.Rngs, backend: str = "auto", **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
-        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs))
+        self.dot_general = nnx.data(QuantDot(recipe, rngs=rngs, backend=backend))
 
 
 class QEinsum(nnx.Einsum):
     """``nnx.Einsum`` whose GEMMs follow ``recipe`` (the input plays X, the kernel W)."""
 
     def __init__(self, einsum_str, kernel_shape, bias_shape=None, *,
-                 recipe: str | Recipe = "bf16", rngs: nnx.Rngs, **kwargs):
+                 recipe: str | Recipe = "bf16", rngs: nnx.Rngs, backend: str = "auto",
+                 **kwargs):
         super().__init__(einsum_str, kernel_shape, bias_shape, rngs=rngs, **kwargs)
-        self.einsum_op = nnx.data(QuantEinsum(recipe, rngs=rngs))
+        self.einsum_op = nnx.data(QuantEinsum(recipe, rngs=rngs, backend=backend))
 
 
 # NNX layer type (exact) -> (kind, the hook attribute it calls, the op that replaces it)

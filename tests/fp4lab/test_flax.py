@@ -273,3 +273,15 @@ def test_linen_probes_collect_every_layers_gemm_numerics():
     want = quant_metrics(w[None], "mxfp8", axis=1)  # fprop W: blocks along K
     row = np.asarray(gp["layers_1"]["gemm"][1])
     np.testing.assert_array_equal(row, np.asarray([want[k] for k in METRIC_NAMES]))
+
+
+def test_the_kernel_backend_through_quantize_model_gives_the_same_bits():
+    x = jax.random.normal(jax.random.key(0), (4, 8, 32))
+    model = LinenMLP()
+    params = model.init(jax.random.key(1), x)
+    outs = [quantize_model(model, "all:mxfp8", backend=b).apply(params, x)
+            for b in ("xla", "pallas")]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    nnx_outs = [quantize_model(NNXMLP(nnx.Rngs(0)), "all:nvfp4_no_sr", backend=b)(x)
+                for b in ("xla", "pallas")]
+    np.testing.assert_array_equal(np.asarray(nnx_outs[0]), np.asarray(nnx_outs[1]))
