@@ -160,12 +160,10 @@ def _smooth(y, n):
 
 
 def plot_losses(results, runs_dir: Path, path: Path):
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for r in results:
         recs = [x for x in read_jsonl(runs_dir / r["name"] / "metrics.jsonl") if "loss" in x]
         if not recs:
@@ -184,15 +182,12 @@ def plot_losses(results, runs_dir: Path, path: Path):
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
     tmp.replace(path)
 
 
 def plot_heatmaps(results, metric: str, path: Path):
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     from fp4lab.qdot import OPERANDS
 
@@ -202,10 +197,12 @@ def plot_heatmaps(results, metric: str, path: Path):
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     layers = sorted(panels[0]["probe_summary"], key=layer_order)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 2.2, 0.2 * len(layers) * rows + 1.8),
-                             squeeze=False, sharey=True, layout="constrained")
+    fig = Figure(figsize=(2.4 * cols + 2.2, 0.2 * len(layers) * rows + 1.8),
+                 layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     is_under = metric == "underflow"
-    cmap = plt.get_cmap("magma_r" if is_under else "viridis").with_extremes(bad="#dddddd")
+    cmap = matplotlib.colormaps["magma_r" if is_under else "viridis"].with_extremes(
+        bad="#dddddd")
     vmin, vmax = (0.0, 100.0) if is_under else (0.0, 40.0)
     im = None
     for ax, r in zip(axes.flat, panels):
@@ -230,7 +227,6 @@ def plot_heatmaps(results, metric: str, path: Path):
                  "(mean over probe steps; grey: not quantized)", fontsize=10)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
     tmp.replace(path)
 
 

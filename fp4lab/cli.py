@@ -135,15 +135,13 @@ def compare(tensors: dict[str, np.ndarray], formats: list[str]) -> list[dict]:
 
 
 def _plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     tensors = list(dict.fromkeys(r["tensor"] for r in results))
     formats = list(dict.fromkeys(r["format"] for r in results))
     get = {(r["tensor"], r["format"]): r for r in results}
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    fig = Figure(figsize=(18, 5.5))
+    axes = fig.subplots(1, 3)
     width = 0.8 / len(tensors)
     xs = np.arange(len(formats))
     panels = [("sqnr_db", "SQNR (dB, higher is better)", 1.0),
@@ -168,7 +166,6 @@ def _plot(results: list[dict], path: str) -> None:
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
-    plt.close(fig)
 
 
 def _cmd_formats(args) -> int:
