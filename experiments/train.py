@@ -7,9 +7,10 @@ to ``workdir/result.json``). What it does:
   master weights, BF16 compute (the model's ``dtype``); the policy quantizes every GEMM;
 * one jitted step (state donated) with no host sync: metrics stay on the device until the next
   log step, when they are fetched together;
-* data-parallel over all local devices (the batch is sharded on a ``data`` mesh axis, the state
-  replicated; XLA inserts the gradient all-reduce); for several hosts call
-  ``jax.distributed.initialize()`` first;
+* data-parallel over all devices (the batch is sharded on a ``data`` mesh axis, the state
+  replicated; XLA inserts the gradient all-reduce); on several hosts run one process per host
+  with ``--distributed`` (``jax.distributed.initialize()``): every process computes the same
+  global batch and supplies its own devices' rows;
 * orbax checkpoints every ``train.ckpt_every`` steps and at the end; a rerun in the same
   workdir resumes from the latest one bit-exactly (batches and SR keys are functions of the
   step, metrics written after the checkpoint are dropped and recomputed);
@@ -276,6 +277,14 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     mesh = Mesh(np.array(devices), ("data",))
     batch_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
+    def to_global(batch_np):
+        """The global batch (every process computes the same one: a function of the step)
+        as an array sharded over all devices; each process supplies its devices' rows."""
+        if jax.process_count() == 1:
+            return jax.device_put(batch_np, batch_sharding)
+        return jax.make_array_from_callback(batch_np.shape, batch_sharding,
+                                            lambda index: batch_np[index])
+
     tx, sched = make_optimizer(t)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
@@ -306,13 +315,16 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
             eval_fns[id(model_)] = jax.jit(lambda p, tok, w: loss_fn(
                 p, None, tok, w, jax.random.key(config.seed))[1])
         f = eval_fns[id(model_)]
-        return float(np.mean([f(params, jax.device_put(b.tokens, batch_sharding),
-                                jax.device_put(b.weights, batch_sharding)) for b in val]))
+        return float(np.mean([f(params, to_global(b.tokens), to_global(b.weights))
+                              for b in val]))
 
     # ---- resume
     ckpt = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
         max_to_keep=2, create=True))
-    metrics_path = workdir / "metrics.jsonl"
+    # process 0 writes the run's files; other processes (multi-host) write theirs beside it
+    out = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
     start = 0
     if ckpt.latest_step() is not None:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
@@ -324,9 +336,9 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         os.replace(tmp, metrics_path)
     elif metrics_path.exists():
         metrics_path.unlink()
-    write_json_atomic(workdir / "config.json", config.to_dict())
+    write_json_atomic(out / "config.json", config.to_dict())
 
-    tb = SummaryWriter(str(workdir / "tb"))
+    tb = SummaryWriter(str(out / "tb"))
     bar = Progress(config.name, t.steps, progress)
     tokens_per_step = d.batch_size * d.seq_len
     pending: list[tuple[int, dict]] = []
@@ -377,8 +389,8 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
             fn = step_fn(model_s, with_probes=bool(probes is not None and (
                 config.probes.fused or do_probe) and model_s is qmodel))
             b = data.batch(config.seed, s, d.batch_size, d.seq_len)
-            state, metrics, probe_grads = fn(state, jax.device_put(b.tokens, batch_sharding),
-                                             jax.device_put(b.weights, batch_sharding), probes)
+            state, metrics, probe_grads = fn(state, to_global(b.tokens), to_global(b.weights),
+                                             probes)
             pending.append((s, metrics))
             if do_probe:
                 flush(s + 1)
@@ -435,7 +447,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         "probe_summary": summary,
         "layers": {a.path: a.recipe.name for a in qmodel.explain({"params": params}, sample)},
     }
-    write_json_atomic(workdir / "result.json", result)
+    write_json_atomic(out / "result.json", result)
     return result
 
 
@@ -447,8 +459,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Train the hybrid LM under a precision policy.")
     ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "default.py"))
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--distributed", action="store_true", help="call "
+                    "jax.distributed.initialize() first (one process per host)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=300")
     args = ap.parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
     config = load_config(args.config, args.overrides)
     r = train(config, args.workdir)
     print(json.dumps({k: v for k, v in r.items() if k not in ("probe_summary", "layers")},
