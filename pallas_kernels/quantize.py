@@ -178,8 +178,8 @@ def _dequantize_kernel(amax_ref, q_ref, s_ref, y_ref, *, fmt: Format, interpret)
     if isinstance(fmt.scaling, NVFP4Scale):
         s = s_ref[...].astype(jnp.float32).reshape(tm, tk // block, 1)
         amax = amax_ref[...].reshape(1, 1, 1)
-        third = np.float32(1) / np.float32(2688)  # host constant, IEEE
-        y = vb * jnp.where(amax == 0, s, (s * amax) * third)
+        inv_2688 = np.float32(1) / np.float32(2688)  # host constant, IEEE
+        y = vb * jnp.where(amax == 0, s, (s * amax) * inv_2688)
     else:
         e = s_ref[...].astype(jnp.int32).reshape(tm, tk // block, 1) - 127
         hi = e >> 1
