@@ -18,7 +18,7 @@ import warnings
 
 import jax
 
-__all__ = ["BACKENDS", "KernelFallback", "choose"]
+__all__ = ["BACKENDS", "KernelFallback", "choose", "values_axis"]
 
 BACKENDS = ("auto", "xla", "pallas")
 _warned: set[str] = set()
@@ -36,11 +36,19 @@ def _kernel_reason(fmt, axis_from_end: int, tile, rounding: str, extra: str | No
     return supports(fmt, axis_from_end, tile, rounding)
 
 
+def values_axis(fmt, axis_from_end: int, tile) -> int:
+    """The block axis a kernel sees when only the dequantized values are wanted
+    (``fake_quant``): any 1D block axis can be moved last and back (same blocks, same bits)."""
+    return -1 if tile is None and fmt.granularity == "block" else axis_from_end
+
+
 def choose(backend: str, fmt, *, axis_from_end: int = -1, tile=None, rounding="nearest",
-           unsupported: str | None = None) -> str:
+           unsupported: str | None = None, strict: bool = True) -> str:
     """``"xla"`` or ``"pallas"`` for this request (see the module docstring).
 
-    ``unsupported``: a reason the caller already knows the kernel path cannot serve."""
+    ``unsupported``: a reason the caller already knows the kernel path cannot serve.
+    ``strict=False``: ``"pallas"`` falls back like ``"auto"`` (with the warning) instead of
+    raising; a GEMM uses it so that one operand without a kernel does not fail the GEMM."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "xla" or fmt.is_passthrough:
@@ -50,7 +58,7 @@ def choose(backend: str, fmt, *, axis_from_end: int = -1, tile=None, rounding="n
     reason = _kernel_reason(fmt, axis_from_end, tile, rounding, unsupported)
     if reason is None:
         return "pallas"
-    if backend == "pallas":
+    if backend == "pallas" and strict:
         raise ValueError(f"backend='pallas': no kernel for {fmt.name}: {reason}")
     msg = f"fp4lab: {fmt.name} quantization runs in XLA, not a Pallas kernel: {reason}"
     if msg not in _warned:

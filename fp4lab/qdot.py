@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp4lab import backend as _backend
@@ -42,7 +42,7 @@ from fp4lab.scaling import NVFP4Scale
 __all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "OPERANDS",
            "probe_zeros", "probe_table"]
 
-OPERANDS = _OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 
 
 def probe_zeros() -> jax.Array:
@@ -52,15 +52,13 @@ def probe_zeros() -> jax.Array:
     operand of that step: row ``i`` holds :data:`fp4lab.metrics.METRIC_NAMES` for operand
     ``OPERANDS[i]`` (the gradient operands measured on the step's real gradients); NaN rows are
     operands the recipe does not quantize (the backward of QAT recipes)."""
-    return jnp.zeros((len(_OPERANDS), len(METRIC_NAMES)), jnp.float32)
+    return jnp.zeros((len(OPERANDS), len(METRIC_NAMES)), jnp.float32)
 
 
 def probe_table(probe_grad) -> dict[str, dict[str, float]]:
     """``{operand: {metric: value}}`` from a probe's gradient (host values)."""
-    import numpy as np
-
     a = np.asarray(probe_grad)
-    return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(_OPERANDS)}
+    return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(OPERANDS)}
 
 
 def _operand_metrics(x, op: OperandQuant, axis: int, key, signs) -> jax.Array:
@@ -81,8 +79,8 @@ _BMK_BMN = (((1,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,M,N) -> (B,K,N)
 def operand_keys(key) -> dict[str, jax.Array | None]:
     """One independent key per GEMM operand, derived deterministically from ``key``."""
     if key is None:
-        return dict.fromkeys(_OPERANDS)
-    return {name: jax.random.fold_in(key, i) for i, name in enumerate(_OPERANDS)}
+        return dict.fromkeys(OPERANDS)
+    return {name: jax.random.fold_in(key, i) for i, name in enumerate(OPERANDS)}
 
 
 def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
@@ -94,42 +92,29 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
     the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``."""
     if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile:
-        fused = _fused_rht_reason(x, op, signs)
-        if _backend.choose(backend, op.format, axis_from_end=-1, unsupported=fused) == "pallas":
+        if _backend.choose(backend, op.format, unsupported=_fused_rht_reason(x, op),
+                           strict=False) == "pallas":
             from pallas_kernels import quantize as kq
             from pallas_kernels import rht as kr
 
-            interpret = jax.default_backend() != "gpu"
-            q = kr.rht_quantize_nvfp4(x[0], key, rounding=op.rounding, signs=signs,
-                                      interpret=interpret)
-            return kq.dequantize(q, jnp.float32, interpret=interpret).T[None]
+            q = kr.rht_quantize_nvfp4(x[0], key, rounding=op.rounding, signs=signs)
+            return kq.dequantize(q, jnp.float32).T[None]
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     if op.format.is_passthrough:
         return x.astype(op.format.element.storage)
     axis = -1 if op.tile else axis % x.ndim - x.ndim
+    # in a GEMM, "pallas" means kernels where they exist: an operand without one falls back
+    # to XLA with a KernelFallback warning instead of failing the whole GEMM
+    if backend == "pallas":
+        backend = _backend.choose(
+            backend, op.format, axis_from_end=_backend.values_axis(op.format, axis, op.tile),
+            tile=op.tile, rounding=op.rounding, strict=False)
     return fake_quant(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
-                      rounding=op.rounding, key=key,
-                      backend=_operand_backend(backend, op, axis))
+                      rounding=op.rounding, key=key, backend=backend)
 
 
-def _operand_backend(backend: str, op: OperandQuant, axis_from_end: int) -> str:
-    """In a GEMM, ``"pallas"`` means kernels where they exist: an operand no kernel covers
-    falls back to XLA with a KernelFallback warning instead of failing the whole GEMM."""
-    if backend != "pallas":
-        return backend
-    if op.tile is None and op.format.granularity == "block":
-        axis_from_end = -1  # fake_quant moves a block axis last for the kernel
-    try:
-        return _backend.choose("pallas", op.format, axis_from_end=axis_from_end, tile=op.tile,
-                               rounding=op.rounding)
-    except ValueError as e:
-        warnings.warn(f"fp4lab: {e}; this operand runs in XLA", _backend.KernelFallback,
-                      stacklevel=2)
-        return "xla"
-
-
-def _fused_rht_reason(x, op: OperandQuant, signs) -> str | None:
+def _fused_rht_reason(x, op: OperandQuant) -> str | None:
     if not isinstance(op.format.scaling, NVFP4Scale) or op.format.block != 16:
         return f"the fused RHT kernel is NVFP4-only, not {op.format.name}"
     if op.hadamard != 16:
@@ -311,9 +296,9 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          "jax.random key, or an rng stream in Flax)")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    if probe is not None and jnp.shape(probe) != (len(_OPERANDS), len(METRIC_NAMES)):
+    if probe is not None and jnp.shape(probe) != (len(OPERANDS), len(METRIC_NAMES)):
         raise ValueError(f"probe has shape {jnp.shape(probe)}; use qdot.probe_zeros() "
-                         f"(shape {(len(_OPERANDS), len(METRIC_NAMES))})")
+                         f"(shape {(len(OPERANDS), len(METRIC_NAMES))})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
     return _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key,

@@ -305,8 +305,7 @@ def quantize(
         from pallas_kernels import quantize as kernels
 
         return kernels.quantize(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
-                                rounding=rounding, key=key,
-                                interpret=jax.default_backend() != "gpu")
+                                rounding=rounding, key=key)
     return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
 
 
@@ -334,7 +333,7 @@ def dequantize(q: QArray, dtype=jnp.float32, *, backend: str = "auto") -> jax.Ar
                        unsupported=tiled) == "pallas":
         from pallas_kernels import quantize as kernels
 
-        return kernels.dequantize(q, dtype, interpret=jax.default_backend() != "gpu")
+        return kernels.dequantize(q, dtype)
     return _dequantize(q, jnp.dtype(dtype))
 
 
@@ -395,12 +394,10 @@ def fake_quant(
     x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
     masked = "mask_saturated needs the XLA path" if mask_saturated else None
-    # the kernels block the last axis; fake_quant returns values, so another block axis is
-    # served by moving it last and back (the same blocks, the same bits)
-    moved = tile is None and fmt.granularity == "block" and ax != x.ndim - 1
-    if _backend.choose(backend, fmt, axis_from_end=-1 if moved else ax - x.ndim, tile=tile,
-                       rounding=rounding, unsupported=masked) == "pallas":
-        if moved:
+    kernel_axis = _backend.values_axis(fmt, ax - x.ndim, tile)
+    if _backend.choose(backend, fmt, axis_from_end=kernel_axis, tile=tile, rounding=rounding,
+                       unsupported=masked) == "pallas":
+        if kernel_axis != ax - x.ndim:  # a 1D block axis that is not last: move it there
             y = _kernel_fake_quant(jnp.moveaxis(x, ax, -1), global_amax, key, fmt, -1, None,
                                    rounding)
             return jnp.moveaxis(y, -1, ax)
@@ -413,12 +410,9 @@ def fake_quant(
 def _kernel_fake_quant(x, global_amax, key, fmt, axis, tile, rounding):
     from pallas_kernels import quantize as kernels
 
-    interpret = jax.default_backend() != "gpu"
     q = kernels.quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax,
-                         rounding=rounding, key=key, interpret=interpret)
-    if tile:
-        return _dequantize(q, x.dtype)
-    return kernels.dequantize(q, x.dtype, interpret=interpret)
+                         rounding=rounding, key=key)
+    return _dequantize(q, x.dtype) if tile else kernels.dequantize(q, x.dtype)
 
 
 def _kernel_fq_fwd(x, global_amax, key, fmt, axis, tile, rounding):

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp4lab.rounding import from_bits, pow2
+
 __all__ = ["abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs", "unpack_pairs",
            "pow2", "hash_uniform", "stochastic_e2m1", "element_index", "FLT_MAX"]
 
@@ -35,15 +37,6 @@ FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
 def bits(x):
     return lax.bitcast_convert_type(x, jnp.int32)
-
-
-def from_bits(b):
-    return lax.bitcast_convert_type(b, jnp.float32)
-
-
-def pow2(e):
-    """``2**e`` for integer ``e`` in [-126, 127] (exact, from the exponent field)."""
-    return from_bits((e + 127) << 23)
 
 
 def abs_max_bits(x, axis):

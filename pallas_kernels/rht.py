@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from fp4lab.formats import get_format
 from fp4lab.hadamard import rht_matrix
 from fp4lab.quantize import QArray
+from fp4lab.rounding import abs_max
 from pallas_kernels.common import (abs_max_bits, e2m1_code, element_index, hash_uniform,
                                    pack_pairs, stochastic_e2m1)
 from pallas_kernels.quantize import (KernelConfig, _check_input, _compiler_params,
@@ -95,7 +96,7 @@ def _rht_quantize(x, key, global_amax, *, rounding, signs, cfg: KernelConfig, in
             out_shape=jax.ShapeDtypeStruct(grid, jnp.float32), grid=grid,
             in_specs=[x_spec, bd_spec], out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
             interpret=interpret, compiler_params=params, name="fp4lab_rht_amax")(x2, bd)
-        amax = from_tile_maxima(tiles)
+        amax = abs_max(tiles)  # the maximum of the tile maxima (NaN wins)
     else:
         amax = jnp.asarray(global_amax, jnp.float32)
     stochastic = rounding == "stochastic"
@@ -113,12 +114,6 @@ def _rht_quantize(x, key, global_amax, *, rounding, signs, cfg: KernelConfig, in
         interpret=interpret, compiler_params=params, name="fp4lab_rht_nvfp4_quantize",
     )(amax.reshape(1, 1), seed.reshape(1, 1), x2, bd)
     return QArray(q[:k, :m16 // 2], s[:k, :m16 // 16], amax, fmt, 1, None, (k, m16))
-
-
-def from_tile_maxima(tiles):
-    """The maximum of per-tile maxima (NaN wins, as fp4lab.rounding.abs_max)."""
-    return lax.bitcast_convert_type(jnp.max(lax.bitcast_convert_type(tiles, jnp.int32)),
-                                    jnp.float32)
 
 
 def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
