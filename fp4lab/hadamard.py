@@ -6,6 +6,19 @@
 reduction axis leaves the product unchanged while spreading outliers across each group before
 quantization (NUMERICS.md; applied to the wgrad operands in the NVFP4 recipe).
 
+Arithmetic (the same in the fused Pallas kernel, so the two agree bit for bit). With
+``T = diag(s) H_n c``, ``c = fl32(1/sqrt(n))`` (1/4 for n = 16, exact), each group is computed
+as ``y = fl(W(s * x) * c)``: the signs are applied (exact), then the unnormalized Sylvester
+Walsh-Hadamard transform ``W`` runs as log2(n) float32 butterfly stages ``h = 1, 2, 4, ...``,
+each replacing the pair ``(u_i, u_{i+h})`` (bit ``h`` of ``i`` clear) by ``(u_i + u_{i+h},
+u_i - u_{i+h})``, and the sums are scaled by ``c`` once. This is ``x @ T`` with one fixed
+summation order: a matrix product leaves the order to the backend (Eigen on CPU and cuBLAS
+on GPU differ in the last bit), the butterfly does not, and it has only additions before
+the one multiplication, so no compiler can contract it into FMAs. Each output is a sum of
+``n`` terms before scaling, so an input above ``FLT_MAX / n`` can overflow to infinity where
+the exact transform would not. Infinities and NaN propagate as in the matrix product:
+``+-inf`` stays infinite in its group's outputs, NaN (or ``inf - inf``) gives NaN.
+
 The output keeps the input's dtype (BF16 inputs give BF16-rounded transforms, as in TE).
 A length that is not a multiple of ``n`` is zero-padded to one, and the output keeps the
 padded length: the transform spreads real values into the padded positions of the last group,
@@ -19,8 +32,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht"]
+__all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
+           "walsh_hadamard", "rht"]
 
 # Transformer Engine's fixed sign vector for 16-point RHT (NUMERICS.md).
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -52,16 +67,38 @@ def rht_matrix(n: int = 16, signs: str | int = "te") -> np.ndarray:
     return (s[:, None] * hadamard_matrix(n) / np.sqrt(n)).astype(np.float32)
 
 
+def rht_signs_and_scale(n: int = 16, signs: str | int = "te") -> tuple[np.ndarray, np.float32]:
+    """The factors of ``T = diag(s) H_n c``: the float32 sign vector ``s`` and ``c``."""
+    t = rht_matrix(n, signs)
+    return np.sign(t[:, 0]), np.abs(t[0, 0])
+
+
+def walsh_hadamard(u: jax.Array, axis: int = -1) -> jax.Array:
+    """The unnormalized Sylvester Walsh-Hadamard transform ``H_n u`` along ``axis``, as
+    float32 butterflies ``h = 1, 2, 4, ...`` (the summation order of the module docstring).
+    The axes after ``axis`` stay innermost, so each butterfly adds contiguous rows."""
+    axis = axis % u.ndim
+    n, pre, post = u.shape[axis], u.shape[:axis], u.shape[axis + 1:]
+    h = 1
+    while h < n:
+        v = u.reshape(pre + (n // (2 * h), 2, h) + post)
+        a, b = (lax.index_in_dim(v, i, axis + 1, keepdims=False) for i in (0, 1))
+        u = jnp.stack([a + b, a - b], axis=axis + 1).reshape(u.shape)
+        h *= 2
+    return u
+
+
 def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int = "te") -> jax.Array:
     """Apply the RHT to groups of ``n`` along ``axis``; the output's ``axis`` has length
     ``ceil(len / n) * n`` (see module docstring)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"rht needs a floating-point input, got {x.dtype}")
     axis = axis % x.ndim
-    t = jnp.asarray(rht_matrix(n, signs))
+    s, c = rht_signs_and_scale(n, signs)
     pad = -x.shape[axis] % n
-    xm = jnp.moveaxis(x, axis, -1)
     if pad:
-        xm = jnp.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)])
-    g = xm.reshape(xm.shape[:-1] + (-1, n)).astype(jnp.float32)
-    y = jnp.einsum("...gi,ij->...gj", g, t, precision=jax.lax.Precision.HIGHEST)
-    y = y.reshape(xm.shape).astype(x.dtype)
-    return jnp.moveaxis(y, -1, axis)
+        x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
+    # groups of n along axis, the trailing axes innermost (no transpose)
+    g = x.reshape(x.shape[:axis] + (-1, n) + x.shape[axis + 1:]).astype(jnp.float32)
+    y = walsh_hadamard(g * s.reshape((n,) + (1,) * (x.ndim - 1 - axis)), axis + 1) * c
+    return y.reshape(x.shape).astype(x.dtype)

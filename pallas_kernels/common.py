@@ -95,8 +95,9 @@ def e2m1_value(code):
     """The float32 value of 4-bit E2M1 codes: ``(-1)^s * 2^(e-1) * (1 + m/2)``, subnormal
     ``m/2`` when ``e = 0`` (grid 0, .5, 1, 1.5, 2, 3, 4, 6)."""
     e = (code >> 1) & 3
-    m = (code & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, m * 0.5, pow2(e - 1) * (1.0 + m * 0.5))
+    m = (code & 1) != 0
+    # selects and one exact product: no addition a compiler could contract into an FMA
+    mag = jnp.where(e == 0, jnp.where(m, 0.5, 0.0), pow2(e - 1) * jnp.where(m, 1.5, 1.0))
     return jnp.where((code & 8) != 0, -mag, mag)
 
 

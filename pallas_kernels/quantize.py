@@ -5,12 +5,13 @@ Each kernel reads a ``(block_rows, block_cols)`` tile of the input once and writ
 (E2M1 packed two per byte, or FP8) and the block scales of that tile: one pass over the data
 instead of XLA's several. The reference each kernel must equal bit for bit is
 :func:`fp4lab.quantize` (``fp4lab/scaling.py`` for the scales, ``fp4lab/rounding.py`` for the
-elements); ``tests/pallas_kernels/test_quantize.py`` checks that in interpret mode (CPU, CI)
-and on the GPU when there is one.
+elements); ``tests/pallas_kernels/test_quantize_kernels.py`` checks that in interpret mode
+(CPU, CI) and on the GPU when there is one.
 
 The wrappers take any shape: leading axes are flattened into rows and both axes are padded
-with zeros to the tile (zeros change no block statistic; the padding is sliced off), and they
-return the same :class:`fp4lab.QArray` as the reference.
+with zeros to the tile, whose sizes are powers of two as Triton arrays must be (zeros change
+no block statistic; the padding is sliced off); they return the same :class:`fp4lab.QArray`
+as the reference.
 
 NVFP4's per-tensor amax is a reduction over the whole tensor: the wrapper computes it with
 XLA (one read of the input) unless ``global_amax`` is given, then the kernel does the rest in
@@ -41,12 +42,33 @@ __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "Kerne
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """Tile shape and Triton launch parameters (``block_cols`` a multiple of 32)."""
+    """Largest tile shape and Triton launch parameters. Triton arrays have power-of-two
+    shapes, so both tile sizes are powers of two (``block_cols`` at least 32); inputs
+    smaller than a tile get the smallest power-of-two tile that covers them."""
 
     block_rows: int = 32
     block_cols: int = 256
     num_warps: int = 4
     num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_cols", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"KernelConfig.{name}={v!r} must be a power of two")
+        if self.block_cols < 32:
+            raise ValueError(f"KernelConfig.block_cols={self.block_cols} must be at least 32 "
+                             "(one MX block)")
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _tile(n: int, limit: int, minimum: int) -> int:
+    """The tile size for an axis of length ``n``: a power of two, ``minimum <= t <= limit``
+    unless ``minimum > limit``, and no larger than ``n`` needs."""
+    return max(minimum, min(limit, _next_power_of_2(n)))
 
 
 def _interpret_default(interpret):
@@ -229,7 +251,8 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
     shape = x.shape
     block = fmt.block
     k_padded = -(-shape[-1] // block) * block  # the reference's padded length
-    tm, tk = cfg.block_rows, min(cfg.block_cols, -(-k_padded // 32) * 32)
+    tm = _tile(math.prod(shape[:-1]), cfg.block_rows, 1)
+    tk = _tile(k_padded, cfg.block_cols, 32)
     x2, (mp, kp) = _rows_and_pad(x, tm, tk)
     grid = (mp // tm, kp // tk)
     packed = fmt.element.packed
@@ -310,8 +333,8 @@ def _quantize_2d(w, global_amax, *, cfg: KernelConfig, interpret: bool):
     if lead:
         raise ValueError(f"2D weight quantization takes a matrix, got shape {w.shape}")
     rp, cp = -(-r // 16) * 16, -(-c // 16) * 16  # the reference's padded shape
-    tm, tk = min(cfg.block_rows, rp), min(cfg.block_cols, -(-cp // 32) * 32)
-    tm = -(-tm // 32) * 32  # the transposed copy packs along rows: a multiple of 32
+    # 16x16 tiles, and the transposed copy packs along rows: both tile sizes at least 32
+    tm, tk = _tile(rp, cfg.block_rows, 32), _tile(cp, cfg.block_cols, 32)
     w2, (mp, kp) = _rows_and_pad(w, tm, tk)
     amax = _tensor_amax(w, global_amax)
     kernel = functools.partial(_nvfp4_2d_kernel, interpret=interpret)
@@ -351,10 +374,10 @@ def _dequantize_1d(q: QArray, dtype, *, cfg: KernelConfig, interpret: bool):
     fmt, shape = q.format, q.shape
     packed = fmt.element.packed
     k_padded = q.scale.shape[-1] * fmt.block
-    tm, tk = cfg.block_rows, min(cfg.block_cols, -(-k_padded // 32) * 32)
     data = q.data.reshape(-1, q.data.shape[-1])
     scale = q.scale.reshape(-1, q.scale.shape[-1])
     m = data.shape[0]
+    tm, tk = _tile(m, cfg.block_rows, 1), _tile(k_padded, cfg.block_cols, 32)
     mp, kp = -(-m // tm) * tm, -(-k_padded // tk) * tk
     data = jnp.pad(data, ((0, mp - m), (0, (kp // 2 if packed else kp) - data.shape[1])))
     scale = jnp.pad(scale, ((0, mp - m), (0, kp // fmt.block - scale.shape[1])))

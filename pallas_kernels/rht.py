@@ -10,17 +10,26 @@ the reference it follows. Two passes, as Transformer Engine does: one kernel com
 per-tile amax of the transformed tensor (its maximum is NVFP4's global amax), the second
 transforms again, quantizes and writes codes and scales.
 
-Exactness. The transform is a float32 GEMM with the block-diagonal matrix ``diag(T, T, ...)``
-per tile; its summation order is the GEMM's, not XLA's einsum's, so transformed values may
-differ from the reference in the last bit before they are rounded to the input dtype. With
-``rounding="nearest"`` the kernel therefore matches the reference's codes wherever the
-transformed values agree (tested on inputs whose transforms are exact). With
-``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based hash
-of the element's position in the output and a 32-bit seed drawn from the jax key
+Exactness. The kernel computes the transform exactly as the reference does
+(``fp4lab.hadamard``: signs, four float32 butterfly stages of additions, one scaling by 1/4,
+rounding to the input dtype), on the 16 strided rows ``i, i + 16, ...`` of its tile, so
+with ``rounding="nearest"`` its codes and scales equal the reference's bit for bit on every
+input, infinities and NaN included. There is no matrix product and no multiply-add to contract:
+the transform costs four additions per element instead of a (16-wide, mostly zero)
+block-diagonal GEMM.
+
+With ``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based
+hash of the element's position in the output and a 32-bit seed drawn from the jax key
 (``lowbias32``, shared/GPU.md: ``jax.random`` does not lower inside Triton kernels): the
 rounding is unbiased and deterministic per key, but its bits differ from the XLA path's
 ``jax.random`` bits, as the issue allows. Positions are 32-bit, so tensors with more than
 2**32 elements reuse counters.
+
+Layout. A tile is ``(TM, TK)`` of ``x`` with ``TM = 16 G`` tokens. Output element ``j`` of
+every 16-token group is a ``(G, TK)`` array; the 16 codes of a group and feature are packed
+into two little-endian uint32 words (element ``j`` in bits ``4j..4j+3`` of word ``j // 8``),
+which is the byte layout of the packed E2M1 data (element ``2i`` in the low nibble of byte
+``i``): the wrapper bitcasts the words to bytes.
 """
 
 from __future__ import annotations
@@ -34,45 +43,65 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp4lab.formats import get_format
-from fp4lab.hadamard import rht_matrix
+from fp4lab.hadamard import rht_signs_and_scale
 from fp4lab.quantize import QArray
 from fp4lab.rounding import abs_max
-from pallas_kernels.common import (abs_max_bits, e2m1_code, element_index, hash_uniform,
-                                   pack_pairs, stochastic_e2m1)
+from pallas_kernels.common import (abs_max_bits, bits, e2m1_code, from_bits, hash_uniform,
+                                   stochastic_e2m1)
 from pallas_kernels.quantize import (KernelConfig, _check_input, _compiler_params,
-                                     _interpret_default, _nvfp4_scales, _rows_and_pad)
+                                     _interpret_default, _nvfp4_scales, _rows_and_pad, _tile)
 
 __all__ = ["rht_quantize_nvfp4"]
 
 
-def _transform(x_ref, bd_ref, dtype):
-    """The tile's RHT along its rows (the token axis), transposed: ``(TK, TM)`` float32
-    values, rounded to the input dtype as the reference does."""
-    xt = x_ref[...].astype(jnp.float32).T
-    y = jnp.dot(xt, bd_ref[...], precision=lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32)
-    return y.astype(dtype).astype(jnp.float32)
+def _transform(x_ref, signs, dtype):
+    """The RHT of every 16-token group of the ``(TM, TK)`` tile, as 16 ``(TM/16, TK)``
+    float32 arrays (output ``j`` of each group), rounded to the input dtype as the reference
+    does: ``fp4lab.hadamard.rht``'s arithmetic, operation for operation."""
+    groups = x_ref.shape[0] // 16
+    u = [x_ref[pl.ds(i, groups, stride=16), :].astype(jnp.float32) * s_i
+         for i, s_i in enumerate(signs)]
+    h = 1
+    while h < 16:
+        for i in range(16):
+            if not i & h:
+                u[i], u[i + h] = u[i] + u[i + h], u[i] - u[i + h]
+        h *= 2
+    return [(v * np.float32(0.25)).astype(dtype).astype(jnp.float32) for v in u]
 
 
-def _amax_kernel(x_ref, bd_ref, amax_ref, *, dtype):
-    y = _transform(x_ref, bd_ref, dtype)
-    amax_ref[...] = abs_max_bits(abs_max_bits(y, 1), 0)  # one axis at a time (Triton)
+def _group_abs_max(y):
+    """``max_j |y_j|`` elementwise over the 16 outputs (NaN wins, as abs_max_bits)."""
+    return from_bits(functools.reduce(jnp.maximum, [bits(v) & 0x7FFFFFFF for v in y]))
 
 
-def _quantize_kernel(amax_ref, seed_ref, x_ref, bd_ref, q_ref, s_ref, *, dtype, stochastic,
+def _amax_kernel(x_ref, amax_ref, *, signs, dtype):
+    m = _group_abs_max(_transform(x_ref, signs, dtype))
+    amax_ref[...] = abs_max_bits(abs_max_bits(m, 1), 0)  # one axis at a time (Triton)
+
+
+def _quantize_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, signs, dtype, stochastic,
                      m_total, interpret):
-    y = _transform(x_ref, bd_ref, dtype)  # (TK, TM): rows are output rows (K)
-    tk, tm = y.shape
-    yb = y.reshape(tk, tm // 16, 16)
-    amax = amax_ref[...].reshape(1, 1, 1)
-    stat = abs_max_bits(yb, 2)
-    s_b, enc = _nvfp4_scales(stat, jnp.broadcast_to(amax, stat.shape), interpret=interpret)
-    v = (yb * enc).reshape(tk, tm)
-    if stochastic:
-        index = element_index((tk, tm), pl.program_id(1) * tk, pl.program_id(0) * tm, m_total)
-        v = stochastic_e2m1(v, hash_uniform(index, seed_ref[...].reshape(1, 1)))
-    q_ref[...] = pack_pairs(e2m1_code(v))
-    s_ref[...] = s_b.reshape(tk, tm // 16)
+    y = _transform(x_ref, signs, dtype)
+    groups, tk = y[0].shape
+    amax = amax_ref[...].reshape(1, 1)
+    s_b, enc = _nvfp4_scales(_group_abs_max(y), jnp.broadcast_to(amax, (groups, tk)),
+                             interpret=interpret)
+    if stochastic:  # the position of (feature, token 16 g + j) in the (K, M) output
+        group = lax.broadcasted_iota(jnp.uint32, (groups, tk), 0) + (
+            pl.program_id(0) * groups).astype(jnp.uint32)
+        col = lax.broadcasted_iota(jnp.uint32, (groups, tk), 1) + (
+            pl.program_id(1) * tk).astype(jnp.uint32)
+        base = col * jnp.uint32(m_total) + group * jnp.uint32(16)
+        seed = seed_ref[...].reshape(1, 1)
+    words = [jnp.zeros((groups, tk), jnp.uint32), jnp.zeros((groups, tk), jnp.uint32)]
+    for j, v in enumerate(y):
+        v = v * enc
+        if stochastic:
+            v = stochastic_e2m1(v, hash_uniform(base + jnp.uint32(j), seed))
+        words[j // 8] = words[j // 8] | (e2m1_code(v).astype(jnp.uint32) << (4 * (j % 8)))
+    q_ref[...] = jnp.stack([words[0].T, words[1].T], axis=-1).reshape(tk, 2 * groups)
+    s_ref[...] = s_b.T
 
 
 @functools.partial(jax.jit, static_argnames=("rounding", "signs", "cfg", "interpret"))
@@ -80,39 +109,36 @@ def _rht_quantize(x, key, global_amax, *, rounding, signs, cfg: KernelConfig, in
     fmt = get_format("nvfp4")
     m, k = x.shape
     m16 = -(-m // 16) * 16  # the reference's transformed (padded) token length
-    tm = min(-(-cfg.block_rows // 16) * 16, -(-m16 // 32) * 32)
-    tm = -(-tm // 32) * 32  # packed along the token axis: a multiple of 32
-    tk = min(cfg.block_cols, -(-k // 16) * 16)
+    tm, tk = _tile(m16, cfg.block_rows, 16), _tile(k, cfg.block_cols, 16)  # tm = 16 G
     x2, (mp, kp) = _rows_and_pad(x, tm, tk)
-    t = rht_matrix(16, signs)
-    bd = jnp.asarray(np.kron(np.eye(tm // 16, dtype=np.float32), t))  # diag(T, T, ...)
+    sign_vector = tuple(float(v) for v in rht_signs_and_scale(16, signs)[0])
     grid = (mp // tm, kp // tk)
     x_spec = pl.BlockSpec((tm, tk), lambda i, j: (i, j))
-    bd_spec = pl.BlockSpec((tm, tm), lambda i, j: (0, 0))
     params = _compiler_params(cfg, interpret)
     if global_amax is None:
         tiles = pl.pallas_call(
-            functools.partial(_amax_kernel, dtype=x.dtype),
+            functools.partial(_amax_kernel, signs=sign_vector, dtype=x.dtype),
             out_shape=jax.ShapeDtypeStruct(grid, jnp.float32), grid=grid,
-            in_specs=[x_spec, bd_spec], out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
-            interpret=interpret, compiler_params=params, name="fp4lab_rht_amax")(x2, bd)
+            in_specs=[x_spec], out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            interpret=interpret, compiler_params=params, name="fp4lab_rht_amax")(x2)
         amax = abs_max(tiles)  # the maximum of the tile maxima (NaN wins)
     else:
         amax = jnp.asarray(global_amax, jnp.float32)
     stochastic = rounding == "stochastic"
     seed = (jax.random.bits(key, (), jnp.uint32) if stochastic else jnp.uint32(0))
-    q, s = pl.pallas_call(
-        functools.partial(_quantize_kernel, dtype=x.dtype, stochastic=stochastic,
-                          m_total=mp, interpret=interpret),
-        out_shape=[jax.ShapeDtypeStruct((kp, mp // 2), jnp.uint8),
+    words, s = pl.pallas_call(
+        functools.partial(_quantize_kernel, signs=sign_vector, dtype=x.dtype,
+                          stochastic=stochastic, m_total=mp, interpret=interpret),
+        out_shape=[jax.ShapeDtypeStruct((kp, mp // 8), jnp.uint32),
                    jax.ShapeDtypeStruct((kp, mp // 16), jnp.float8_e4m3fn)],
         grid=grid,
         in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
-                  pl.BlockSpec((1, 1), lambda i, j: (0, 0)), x_spec, bd_spec],
-        out_specs=[pl.BlockSpec((tk, tm // 2), lambda i, j: (j, i)),
+                  pl.BlockSpec((1, 1), lambda i, j: (0, 0)), x_spec],
+        out_specs=[pl.BlockSpec((tk, tm // 8), lambda i, j: (j, i)),
                    pl.BlockSpec((tk, tm // 16), lambda i, j: (j, i))],
         interpret=interpret, compiler_params=params, name="fp4lab_rht_nvfp4_quantize",
-    )(amax.reshape(1, 1), seed.reshape(1, 1), x2, bd)
+    )(amax.reshape(1, 1), seed.reshape(1, 1), x2)
+    q = lax.bitcast_convert_type(words, jnp.uint8).reshape(kp, mp // 2)
     return QArray(q[:k, :m16 // 2], s[:k, :m16 // 16], amax, fmt, 1, None, (k, m16))
 
 
@@ -132,6 +158,6 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
         raise ValueError(f"rounding={rounding!r} must be 'nearest' or 'stochastic'")
     if rounding == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs key=jax.random.key(...)")
-    rht_matrix(16, signs)  # validates signs
+    rht_signs_and_scale(16, signs)  # validates signs
     return _rht_quantize(x, key, global_amax, rounding=rounding, signs=signs, cfg=config,
                          interpret=_interpret_default(interpret))

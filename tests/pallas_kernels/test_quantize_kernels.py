@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import assert_same_qarray, lower_for_h200, same_bits
+from kernel_helpers import FORMATS, assert_same_qarray, kernel_cases, lower_for_h200, same_bits
 
 import fp4lab
 from pallas_kernels.quantize import (
@@ -17,7 +17,6 @@ from pallas_kernels.quantize import (
     supports,
 )
 
-FORMATS = ["nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp8_floor", "mxfp4", "mxfp4_floor"]
 SHAPES = [(1, 16), (5, 40), (3, 7, 100), (64, 256), (33, 520), (300,)]
 SMALL = KernelConfig(block_rows=16, block_cols=64)  # several tiles even on small inputs
 
@@ -90,28 +89,23 @@ def test_unsupported_inputs_say_why():
         quantize(jnp.ones((4, 32), jnp.int32), "nvfp4")
     with pytest.raises(ValueError, match="unknown format"):
         quantize(jnp.ones((4, 32)), "nvfp5")
+    with pytest.raises(ValueError, match="block_cols=48 must be a power of two"):
+        KernelConfig(block_cols=48)
+    with pytest.raises(ValueError, match="block_cols=16 must be at least 32"):
+        KernelConfig(block_cols=16)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_kernels_lower_for_an_abstract_h200(fmt):
-    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-    text = lower_for_h200(lambda x: quantize(x, fmt, interpret=False), x)
-    assert text.count("xla.gpu.triton") == 1
-    # no approximate division anywhere (Triton's float32 `/` is approximate on NVIDIA GPUs);
-    # NVFP4's divisions are the PTX div.rn.f32 instruction
-    assert "divf" not in text
-    if fmt == "nvfp4":
-        assert "div.rn.f32" in text
-        text = lower_for_h200(lambda w: quantize_weight_nvfp4(w, interpret=False), x)
-        assert text.count("xla.gpu.triton") == 1 and "divf" not in text
-    if fmt in ("nvfp4", "mxfp4"):  # the stochastic-rounding variant (hashed uniforms)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        text = lower_for_h200(lambda x, k: quantize(x, fmt, rounding="stochastic", key=k,
-                                                    interpret=False), x, key)
-        assert text.count("xla.gpu.triton") == 1 and "divf" not in text
-    q = jax.eval_shape(lambda x: fp4lab.quantize(x, fmt), x)
-    text = lower_for_h200(lambda q: dequantize(q, interpret=False), q)
-    assert text.count("xla.gpu.triton") == 1 and "divf" not in text
+@pytest.mark.parametrize("name", sorted(kernel_cases()))
+def test_every_kernel_lowers_for_an_abstract_h200(name):
+    # Triton arrays have power-of-two shapes: tiles must be too, whatever the input's shape
+    for shape in [(256, 512), (5, 40), (64, 96), (100, 33), (1, 16)]:
+        f, args, _ = kernel_cases(shape)[name]
+        text = lower_for_h200(f, *args)
+        assert text.count("xla.gpu.triton") == (2 if name.startswith("rht") else 1)
+        # no approximate division anywhere (Triton's float32 `/` is approximate on NVIDIA
+        # GPUs); NVFP4's divisions are the PTX div.rn.f32 instruction
+        assert "divf" not in text
+        assert ("div.rn.f32" in text) == ("nvfp4" in name and "dequantize" not in name)
 
 
 def test_nvfp4_tiles_of_a_stack_of_matrices():

@@ -1,0 +1,81 @@
+"""Every kernel compiles to an H200 (sm_90a) binary, without a GPU.
+
+The Triton modules JAX lowers for an abstract H200 are compiled by upstream Triton (the pip
+``triton`` package, pinned in the ``test`` extra) through its whole pipeline, TTIR -> TTGIR
+-> LLVM IR -> PTX -> cubin, the last step by the ``ptxas`` Triton ships. On a GPU, XLA runs
+its own build of the same Triton pipeline, so this is a proxy for what the GPU compiles, and a
+kernel that stops compiling, spills registers or gains an approximate division fails CI.
+
+Checks per kernel: it compiles; ``ptxas -v`` reports no spill stores and no stack frame; the
+PTX has no approximate division or reciprocal (``div.full``, ``div.approx``, ``rcp.approx``);
+NVFP4 quantizers divide with ``div.rn.f32``; and round-to-nearest kernels contain no
+``fma`` although FP contraction is allowed, so their bits cannot depend on the compiler
+fusing a multiply and an add (the stochastic-rounding kernels may: their rounding is tested
+for unbiasedness, not bits).
+
+    python tests/pallas_kernels/test_triton_compile.py   # prints the table (registers, ...)
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from kernel_helpers import kernel_cases, triton_modules
+
+if not sys.platform.startswith("linux"):  # the test extra installs Triton on Linux only
+    pytest.skip("pip Triton (the sm_90 compiler) has Linux wheels only", allow_module_level=True)
+import triton  # noqa: E402  (a missing Triton on Linux is an error, not a skip)
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_h200(ttir: str, num_warps: int, num_stages: int, tmp_path):
+    """PTX and ``ptxas -v`` statistics of one TTIR module compiled for sm_90a."""
+    src = tmp_path / "kernel.ttir"
+    src.write_text(ttir)
+    kernel = triton.compile(str(src), target=H200,
+                            options=dict(num_warps=num_warps, num_stages=num_stages,
+                                         enable_fp_fusion=True))
+    ptx = kernel.asm["ptx"]
+    (tmp_path / "kernel.ptx").write_text(ptx)
+    report = subprocess.run(
+        [get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "kernel.ptx"), "-o",
+         str(tmp_path / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+
+    def stat(pattern):
+        return int(re.search(pattern, report).group(1))
+
+    return ptx, dict(registers=stat(r"Used (\d+) registers"),
+                     spill_stores=stat(r"(\d+) bytes spill stores"),
+                     stack=stat(r"(\d+) bytes stack frame"),
+                     fma=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+                     div_rn=len(re.findall(r"\bdiv\.rn\.f32\b", ptx)))
+
+
+@pytest.mark.parametrize("name", sorted(kernel_cases()))
+def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, tmp_path):
+    f, args, stochastic = kernel_cases()[name]
+    for module, ttir, num_warps, num_stages in triton_modules(f, *args):
+        ptx, stats = compile_for_h200(ttir, num_warps, num_stages, tmp_path)
+        assert stats["spill_stores"] == 0 and stats["stack"] == 0, (module, stats)
+        assert not re.search(r"\b(div\.full|div\.approx|rcp\.approx)", ptx), module
+        if "nvfp4" in module and "dequantize" not in module and "amax" not in module:
+            assert stats["div_rn"] > 0, (module, stats)
+        if not stochastic:
+            assert stats["fma"] == 0, (module, stats)
+
+
+if __name__ == "__main__":
+    import pathlib
+    import tempfile
+
+    print(f"{'kernel':40s} {'module':28s} warps regs spills fma div.rn")
+    for name, (f, args, _) in kernel_cases().items():
+        for module, ttir, warps, stages in triton_modules(f, *args):
+            with tempfile.TemporaryDirectory() as tmp:
+                _, s = compile_for_h200(ttir, warps, stages, pathlib.Path(tmp))
+            print(f"{name:40s} {module:28s} {warps:5d} {s['registers']:4d} "
+                  f"{s['spill_stores']:6d} {s['fma']:3d} {s['div_rn']:6d}")
