@@ -118,13 +118,16 @@ def hash_uniform(index, seed):
 
 
 def stochastic_e2m1(v, u):
-    """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac))."""
+    """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac), the
+    sign of ``v`` copied, -0 included)."""
     a = jnp.minimum(jnp.abs(v), 6.0)
     e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
     t = a * pow2(1 - e)
     lo = jnp.floor(t)
     r = (lo + (u < (t - lo)).astype(jnp.float32)) * pow2(e - 1)
-    return jnp.where(v < 0, -r, jnp.where(jnp.isnan(v), jnp.nan, r))
+    # copysign on the bits (a negation could compile to fma(-r, 1, +0), losing -0)
+    signed = from_bits(bits(r) | (bits(v) & jnp.int32(-(2**31))))
+    return jnp.where(jnp.isnan(v), jnp.nan, signed)
 
 
 def element_index(shape, row0, col0, row_stride):

@@ -61,6 +61,12 @@ class KernelConfig:
                              "(one MX block)")
 
 
+DEFAULT_CONFIG = KernelConfig()
+# half the rows: the NVFP4 SR kernel needs 254 registers per thread with 32 x 256 tiles and
+# 4 warps (ptxas, sm_90a; 255 is the limit before spilling), about 130 with 16 x 256
+SR_CONFIG = KernelConfig(block_rows=16)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -292,13 +298,17 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
 
 def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=None,
              rounding: str = "nearest", key=None, interpret: bool | None = None,
-             config: KernelConfig = KernelConfig()) -> QArray:
+             config: KernelConfig | None = None) -> QArray:
     """The kernel path of :func:`fp4lab.quantize` for NVFP4 (1D, or ``tile=(16, 16)``),
     MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4 along the last axis: round-to-nearest equal to
     the reference bit for bit; stochastic rounding (1D E2M1 formats) unbiased and
     deterministic per ``key``, with hashed rather than ``jax.random`` bits.
 
-    ``interpret`` defaults to True off the GPU (CPU tests run the same kernel bodies)."""
+    ``interpret`` defaults to True off the GPU (CPU tests run the same kernel bodies).
+    ``config`` defaults to :data:`DEFAULT_CONFIG`, or :data:`SR_CONFIG` for stochastic
+    rounding, whose hashing needs about twice the registers per element."""
+    if config is None:
+        config = SR_CONFIG if rounding == "stochastic" else DEFAULT_CONFIG
     fmt = get_format(fmt)
     x = jnp.asarray(x)
     _check_input(x)

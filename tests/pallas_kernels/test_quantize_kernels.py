@@ -129,6 +129,11 @@ def test_stochastic_rounding_kernels_are_unbiased_and_deterministic(fmt):
     same_bits(f(jax.random.key(3)).data, f(jax.random.key(3)).data)
     assert not np.array_equal(np.asarray(f(jax.random.key(3)).data),
                               np.asarray(f(jax.random.key(4)).data))
+    # the sign is copied, -0 included, as the reference's copysign does
+    z = x.at[1, :32].set(-0.0)
+    for q in (quantize(z, fmt, rounding="stochastic", key=jax.random.key(5)),
+              fp4lab.quantize(z, fmt, rounding="stochastic", key=jax.random.key(5))):
+        assert np.all(np.asarray(q.data)[1, :16] == 0x88)  # two -0 codes per byte
     with pytest.raises(ValueError, match="stochastic rounding kernels cover 1D-blocked E2M1"):
         quantize(x, "mxfp8", rounding="stochastic", key=jax.random.key(0))
     with pytest.raises(ValueError, match="needs key"):
