@@ -57,8 +57,13 @@ def compile_for_h200(ttir: str, num_warps: int, num_stages: int, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(kernel_cases()))
 def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, tmp_path):
-    f, args, stochastic = kernel_cases()[name]
-    for module, ttir, num_warps, num_stages in triton_modules(f, *args):
+    # 256 x 512, and 65536 x 65536 (8 GiB of BF16: Pallas switches to 64-bit offsets)
+    modules = []
+    for shape in [(256, 512), (65536, 65536)]:
+        f, args, stochastic = kernel_cases(shape)[name]
+        modules += triton_modules(f, *args)
+    assert any(" i64" in ttir for _, ttir, _, _ in modules[len(modules) // 2:])
+    for module, ttir, num_warps, num_stages in modules:
         ptx, stats = compile_for_h200(ttir, num_warps, num_stages, tmp_path)
         assert stats["spill_stores"] == 0 and stats["stack"] == 0, (module, stats)
         assert not re.search(r"\b(div\.full|div\.approx|rcp\.approx)", ptx), module
