@@ -2,20 +2,23 @@
 
 For each shape (1024^2 to 16384^2 BF16 by default) and each kernel, the script times
 
-* ``kernel``: the Pallas kernel (``backend="pallas"``),
-* ``xla``: the reference path (``backend="xla"``), the same bits,
+* ``kernel``: the Pallas kernel (``pallas_kernels``, what ``backend="pallas"`` calls),
+* ``xla``: the reference path (``backend="xla"``): the same bits, except for stochastic
+  rounding (other random bits),
 * ``copy``: ``x * 2`` of the same tensor (read + write of the input; the practical ceiling),
 
 each as ``--reps`` calls inside one jitted ``fori_loop`` and one sync (launch overhead does
 not dominate even at 1024^2), median of ``--runs``. It prints GB/s (bytes read + written),
 the kernel's speed-up over XLA and its fraction of the copy's bandwidth; then one training
 step of the ``nvfp4`` recipe on a model-sized stack of layers, with and without kernels, as a
-ratio to ``bf16`` (``benchmarks/train_step.py``).
+ratio to ``bf16`` (``benchmarks/train_step.py``). ``--config ROWSxCOLSxWARPS`` runs every
+kernel with that tile and warp count instead of its default, to tune the defaults.
 
 On a machine without a GPU the kernels run in interpret mode, which measures nothing useful;
-``--smoke`` runs tiny shapes there to check that the script works (CI does not run this).
+``--smoke`` runs tiny shapes there to check that the script works
+(``tests/test_benchmarks.py`` does, in CI).
 
-    python benchmarks/kernels.py [--sizes 1024,4096,16384] [--reps 20] [--smoke]
+    python benchmarks/kernels.py [--sizes 1024,4096] [--reps 20] [--config 16x256x4] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,29 +37,48 @@ from pallas_kernels import quantize as kq
 from pallas_kernels import rht as kr
 
 
-def cases():
-    """name -> (kernel fn, reference fn, bytes written per input element)."""
+def cases(config=None):
+    """name -> (kernel fn, reference fn, bytes written per input element); ``config`` (a
+    KernelConfig) overrides the kernels' default tiles and warps."""
+    cfg = {} if config is None else {"config": config}
+    key = jax.random.key(0)
     out = {}
     for fmt in ("nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp4"):
         f = fp4lab.get_format(fmt)
         per = (0.5 if f.element.packed else 1.0) + 1.0 / f.block
         out[f"quantize {fmt}"] = (
-            lambda x, fmt=fmt: fp4lab.quantize(x, fmt, backend="pallas"),
+            lambda x, fmt=fmt: kq.quantize(x, fmt, **cfg),
             lambda x, fmt=fmt: fp4lab.quantize(x, fmt, backend="xla"), per)
+        if f.element.packed:
+            out[f"quantize {fmt} + SR"] = (
+                lambda x, fmt=fmt: kq.quantize(x, fmt, rounding="stochastic", key=key, **cfg),
+                lambda x, fmt=fmt: fp4lab.quantize(x, fmt, rounding="stochastic", key=key,
+                                                   backend="xla"), per)
     out["quantize nvfp4 16x16 (+transposed)"] = (
-        lambda x: kq.quantize_weight_nvfp4(x),
+        lambda x: kq.quantize_weight_nvfp4(x, **cfg),
         lambda x: (fp4lab.quantize(x, "nvfp4", tile=(16, 16), backend="xla"),
                    fp4lab.quantize(x.T, "nvfp4", tile=(16, 16), backend="xla")),
         2 * (0.5 + 1 / 256))
     out["rht + nvfp4 + SR (wgrad)"] = (
-        lambda x: kr.rht_quantize_nvfp4(x, jax.random.key(0)),
-        lambda x: fp4lab.quantize(rht(x, 0).T, "nvfp4", rounding="stochastic",
-                                  key=jax.random.key(0), backend="xla"),
+        lambda x: kr.rht_quantize_nvfp4(x, key, **cfg),
+        lambda x: fp4lab.quantize(rht(x, 0).T, "nvfp4", rounding="stochastic", key=key,
+                                  backend="xla"),
         0.5 + 1 / 16)
     out["dequantize nvfp4 -> bf16"] = (
-        lambda q: fp4lab.dequantize(q, jnp.bfloat16, backend="pallas"),
+        lambda q: kq.dequantize(q, jnp.bfloat16, **cfg),
         lambda q: fp4lab.dequantize(q, jnp.bfloat16, backend="xla"), None)
     return out
+
+
+def parse_config(text: str):
+    """``ROWSxCOLSxWARPS`` (e.g. ``32x256x4``) -> KernelConfig; empty -> None (defaults)."""
+    if not text:
+        return None
+    try:
+        rows, cols, warps = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--config {text!r}: expected ROWSxCOLSxWARPS, e.g. 32x256x4")
+    return kq.KernelConfig(block_rows=rows, block_cols=cols, num_warps=warps)
 
 
 def looped(fn, reps):
@@ -95,14 +117,18 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
     ap.add_argument("--no-step", action="store_true", help="skip the training-step part")
+    ap.add_argument("--config", default="", help="ROWSxCOLSxWARPS for every kernel (tuning; "
+                    "default: each kernel's own)")
     args = ap.parse_args(argv)
+    config = parse_config(args.config)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:
         raise SystemExit("no GPU: kernels would run in interpret mode; use --smoke to check "
                          "the script, or run this on a GPU")
     sizes = [256] if args.smoke else [int(s) for s in args.sizes.split(",")]
     reps, runs = (2, 1) if args.smoke else (args.reps, args.runs)
-    print(f"{jax.devices()[0].device_kind}; {reps} calls per sync, median of {runs}")
+    print(f"{jax.devices()[0].device_kind}; {reps} calls per sync, median of {runs}; "
+          f"kernel config {config or 'default'}")
     print(f"{'kernel':38s} {'size':>6s} {'kernel GB/s':>11s} {'xla GB/s':>9s} "
           f"{'copy GB/s':>9s} {'vs xla':>7s} {'of copy':>8s}")
     for n in sizes:
@@ -110,7 +136,7 @@ def main(argv=None):
         t_copy = timeit(lambda x: x * 2, x, reps, runs)
         copy_gbs = 2 * x.nbytes / t_copy / 1e9
         q = fp4lab.quantize(x, "nvfp4", backend="xla")
-        for name, (kern, ref, per) in cases().items():
+        for name, (kern, ref, per) in cases(config).items():
             arg = q if per is None else x
             moved = (x.size * (0.5 + 1 / 16) + x.size * 2 if per is None
                      else x.nbytes + x.size * per)
