@@ -13,11 +13,12 @@ Walsh-Hadamard transform ``W`` runs as log2(n) float32 butterfly stages ``h = 1,
 each replacing the pair ``(u_i, u_{i+h})`` (bit ``h`` of ``i`` clear) by ``(u_i + u_{i+h},
 u_i - u_{i+h})``, and the sums are scaled by ``c`` once. This is ``x @ T`` with one fixed
 summation order: a matrix product leaves the order to the backend (Eigen on CPU and cuBLAS
-on GPU differ in the last bit), the butterfly does not, and it has only additions before
-the one multiplication, so no compiler can contract it into FMAs. Each output is a sum of
-``n`` terms before scaling, so an input above ``FLT_MAX / n`` can overflow to infinity where
-the exact transform would not. Infinities and NaN propagate as in the matrix product:
-``+-inf`` stays infinite in its group's outputs, NaN (or ``inf - inf``) gives NaN.
+on GPU differ in the last bit), the butterfly does not; and its only products before the
+additions are by +-1 (exact), so a compiler contracting them into FMAs changes no bit. Each
+output is a sum of ``n`` terms before scaling, so an input above ``FLT_MAX / n`` can overflow
+to infinity where the exact transform would not. Infinities and NaN propagate as in the
+matrix product: ``+-inf`` stays infinite in its group's outputs, NaN (or ``inf - inf``)
+gives NaN.
 
 The output keeps the input's dtype (BF16 inputs give BF16-rounded transforms, as in TE).
 A length that is not a multiple of ``n`` is zero-padded to one, and the output keeps the

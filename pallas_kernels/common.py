@@ -125,7 +125,7 @@ def stochastic_e2m1(v, u):
     t = a * pow2(1 - e)
     lo = jnp.floor(t)
     r = (lo + (u < (t - lo)).astype(jnp.float32)) * pow2(e - 1)
-    # copysign on the bits (a negation could compile to fma(-r, 1, +0), losing -0)
+    # copysign on the bits: -(x * p) compiled to fma(-x, p, +0), which loses -0
     signed = from_bits(bits(r) | (bits(v) & jnp.int32(-(2**31))))
     return jnp.where(jnp.isnan(v), jnp.nan, signed)
 
