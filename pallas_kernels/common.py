@@ -29,14 +29,20 @@ from jax import lax
 
 from fp4lab.rounding import from_bits, pow2
 
-__all__ = ["abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs", "unpack_pairs",
-           "pow2", "hash_uniform", "stochastic_e2m1", "element_index", "FLT_MAX"]
+__all__ = ["abs_bits", "abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs",
+           "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1", "element_index", "FLT_MAX"]
 
 FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def bits(x):
     return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def abs_bits(x):
+    """``|x|`` by clearing the sign bit: Triton compiles ``jnp.abs`` to ``abs.ftz.f32``,
+    which flushes subnormals to zero; this keeps them, as the reference does."""
+    return from_bits(bits(x) & 0x7FFFFFFF)
 
 
 def abs_max_bits(x, axis):
@@ -66,7 +72,7 @@ _E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fals
 def e2m1_code(v):
     """The 4-bit E2M1 code (uint8, sign in bit 3) of ``v`` rounded to nearest even,
     saturating at 6; NaN gives +0 (E2M1 has no NaN; its scale carries the NaN)."""
-    a = jnp.abs(v)
+    a = abs_bits(v)
     mag = jnp.zeros(v.shape, jnp.int32)
     for threshold, inclusive in _E2M1_UP:
         mag = mag + ((a >= threshold) if inclusive else (a > threshold)).astype(jnp.int32)
@@ -120,7 +126,7 @@ def hash_uniform(index, seed):
 def stochastic_e2m1(v, u):
     """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac), the
     sign of ``v`` copied, -0 included)."""
-    a = jnp.minimum(jnp.abs(v), 6.0)
+    a = jnp.minimum(abs_bits(v), 6.0)
     e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
     t = a * pow2(1 - e)
     lo = jnp.floor(t)

@@ -33,9 +33,9 @@ from fp4lab.formats import Format, get_format
 from fp4lab.quantize import QArray
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
-from pallas_kernels.common import (FLT_MAX, abs_max_bits, bits, div, e2m1_code, e2m1_value,
-                                   element_index, from_bits, hash_uniform, pack_pairs, pow2,
-                                   stochastic_e2m1, unpack_pairs)
+from pallas_kernels.common import (FLT_MAX, abs_bits, abs_max_bits, bits, div, e2m1_code,
+                                   e2m1_value, element_index, from_bits, hash_uniform,
+                                   pack_pairs, pow2, stochastic_e2m1, unpack_pairs)
 
 __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig"]
 
@@ -186,7 +186,7 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
         codes = jnp.where(finite, codes.reshape(tm, tk // 32, 32), 0).reshape(tm, tk)
         q_ref[...] = pack_pairs(codes)
     else:
-        a = jnp.minimum(jnp.abs(v), el.max)  # saturate; keep the sign bit (and -0):
+        a = jnp.minimum(abs_bits(v), el.max)  # saturate; keep the sign bit (and -0):
         v = from_bits(bits(a) | (bits(v) & jnp.int32(-(2**31))))
         q = jnp.where(finite, v, 0.0).astype(el.storage)
         q_ref[...] = q.reshape(tm, tk)

@@ -10,8 +10,9 @@ Checks per kernel: it compiles; ``ptxas -v`` reports no spill stores and no stac
 PTX has no approximate division or reciprocal (``div.full``, ``div.approx``, ``rcp.approx``);
 NVFP4 quantizers divide with ``div.rn.f32``; and round-to-nearest kernels contain no
 ``fma`` although FP contraction is allowed, so their bits cannot depend on the compiler
-fusing a multiply and an add (the stochastic-rounding kernels may: their rounding is tested
-for unbiasedness, not bits).
+fusing a multiply and an add, and no flush-to-zero (``.ftz``) instruction (Triton compiles
+``jnp.abs`` and ``jnp.floor`` to ``abs.ftz`` / ``cvt.rmi.ftz``). The stochastic-rounding
+kernels may have both: their rounding is tested for unbiasedness, not bits.
 
     python tests/pallas_kernels/test_triton_compile.py   # prints the table (registers, ...)
 """
@@ -71,6 +72,8 @@ def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, t
             assert stats["div_rn"] > 0, (module, stats)
         if not stochastic:
             assert stats["fma"] == 0, (module, stats)
+            # no flush-to-zero instruction: subnormals must round as in the reference
+            assert not re.search(r"\.ftz\b", ptx), (module, re.findall(r"\S+\.ftz\S*", ptx))
 
 
 if __name__ == "__main__":
