@@ -29,8 +29,9 @@ from jax import lax
 
 from fp4lab.rounding import from_bits, pow2
 
-__all__ = ["abs_bits", "abs_max_bits", "div", "e2m1_code", "e2m1_value", "pack_pairs",
-           "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1", "element_index", "FLT_MAX"]
+__all__ = ["abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code", "e2m1_value",
+           "pack_pairs", "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1",
+           "element_index", "FLT_MAX"]
 
 FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -43,6 +44,13 @@ def abs_bits(x):
     """``|x|`` by clearing the sign bit: Triton compiles ``jnp.abs`` to ``abs.ftz.f32``,
     which flushes subnormals to zero; this keeps them, as the reference does."""
     return from_bits(bits(x) & 0x7FFFFFFF)
+
+
+def minimum(a, b):
+    """``min(a, b)`` that keeps a NaN in ``a``, as ``jnp.minimum`` does in XLA (``b`` is a
+    number here). Triton lowers ``jnp.minimum`` to ``arith.minnumf``, PTX ``min.f32``,
+    which returns the number when one operand is NaN."""
+    return jnp.where(a > b, b, a)
 
 
 def abs_max_bits(x, axis):
@@ -126,7 +134,7 @@ def hash_uniform(index, seed):
 def stochastic_e2m1(v, u):
     """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac), the
     sign of ``v`` copied, -0 included)."""
-    a = jnp.minimum(abs_bits(v), 6.0)
+    a = minimum(abs_bits(v), 6.0)
     e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
     t = a * pow2(1 - e)
     lo = jnp.floor(t)

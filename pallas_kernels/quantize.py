@@ -34,7 +34,7 @@ from fp4lab.quantize import QArray
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (FLT_MAX, abs_bits, abs_max_bits, bits, div, e2m1_code,
-                                   e2m1_value, element_index, from_bits, hash_uniform,
+                                   e2m1_value, element_index, from_bits, hash_uniform, minimum,
                                    pack_pairs, pow2, stochastic_e2m1, unpack_pairs)
 
 __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig"]
@@ -108,14 +108,14 @@ def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | N
 
 def _nvfp4_scales(bamax, amax, *, interpret):
     """Block scale (E4M3) and element multiplier, in fp4lab.scaling.NVFP4Scale's order."""
-    s_enc = jnp.minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
+    s_enc = minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
     s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
     s_dec = div(jnp.ones_like(s_enc), s_enc, interpret=interpret)
     sixth = np.float32(1) / np.float32(6)  # fl(1/6), computed on the host (IEEE)
-    s_b = jnp.minimum(jnp.minimum(bamax * (s_enc * sixth), FLT_MAX), 448.0)
+    s_b = minimum(minimum(bamax * (s_enc * sixth), FLT_MAX), 448.0)
     s_b = s_b.astype(jnp.float8_e4m3fn)
     denom = s_b.astype(jnp.float32) * s_dec
-    enc = jnp.minimum(div(jnp.ones_like(denom), denom, interpret=interpret), FLT_MAX)
+    enc = minimum(div(jnp.ones_like(denom), denom, interpret=interpret), FLT_MAX)
     return s_b, enc
 
 
@@ -186,7 +186,7 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
         codes = jnp.where(finite, codes.reshape(tm, tk // 32, 32), 0).reshape(tm, tk)
         q_ref[...] = pack_pairs(codes)
     else:
-        a = jnp.minimum(abs_bits(v), el.max)  # saturate; keep the sign bit (and -0):
+        a = minimum(abs_bits(v), el.max)  # saturate; keep the sign bit (and -0):
         v = from_bits(bits(a) | (bits(v) & jnp.int32(-(2**31))))
         q = jnp.where(finite, v, 0.0).astype(el.storage)
         q_ref[...] = q.reshape(tm, tk)

@@ -7,7 +7,9 @@ its own build of the same Triton pipeline, so this is a proxy for what the GPU c
 kernel that stops compiling, spills registers or gains an approximate division fails CI.
 
 Checks per kernel: it compiles; ``ptxas -v`` reports no spill stores and no stack frame; the
-PTX has no approximate division or reciprocal (``div.full``, ``div.approx``, ``rcp.approx``);
+PTX has no approximate division or reciprocal (``div.full``, ``div.approx``, ``rcp.approx``)
+and no float ``min``/``max``, which return the number when the other operand is NaN (Triton
+lowers ``jnp.minimum`` to them; XLA's propagates the NaN);
 NVFP4 quantizers divide with ``div.rn.f32``; and round-to-nearest kernels contain no
 ``fma`` although FP contraction is allowed, so their bits cannot depend on the compiler
 fusing a multiply and an add, and no flush-to-zero (``.ftz``) instruction (Triton compiles
@@ -68,6 +70,8 @@ def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, t
         ptx, stats = compile_for_h200(ttir, num_warps, num_stages, tmp_path)
         assert stats["spill_stores"] == 0 and stats["stack"] == 0, (module, stats)
         assert not re.search(r"\b(div\.full|div\.approx|rcp\.approx)", ptx), module
+        # float min/max that drop NaN (minNum semantics; XLA's jnp.minimum propagates it)
+        assert not re.search(r"\b(min|max)(\.ftz)?\.f32\b", ptx), module
         if "nvfp4" in module and "dequantize" not in module and "amax" not in module:
             assert stats["div_rn"] > 0, (module, stats)
         if not stochastic:
