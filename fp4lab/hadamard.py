@@ -76,7 +76,8 @@ def rht_signs_and_scale(n: int = 16, signs: str | int = "te") -> tuple[np.ndarra
 
 def walsh_hadamard(u: jax.Array, axis: int = -1) -> jax.Array:
     """The unnormalized Sylvester Walsh-Hadamard transform ``H_n u`` along ``axis``, as
-    float32 butterflies ``h = 1, 2, 4, ...`` (the summation order of the module docstring).
+    butterflies ``h = 1, 2, 4, ...`` in ``u``'s dtype (``rht`` passes float32; the summation
+    order of the module docstring).
     The axes after ``axis`` stay innermost, so each butterfly adds contiguous rows."""
     axis = axis % u.ndim
     n, pre, post = u.shape[axis], u.shape[:axis], u.shape[axis + 1:]

@@ -112,7 +112,8 @@ def e2m1_value(code):
     m = (code & 1) != 0
     # selects and one exact product: no addition a compiler could contract into an FMA
     mag = jnp.where(e == 0, jnp.where(m, 0.5, 0.0), pow2(e - 1) * jnp.where(m, 1.5, 1.0))
-    return jnp.where((code & 8) != 0, -mag, mag)
+    # the sign on the bits: Pallas lowers -x to 0 - x, which gives +0 for code 0b1000 (-0)
+    return from_bits(bits(mag) | ((code.astype(jnp.int32) & 8) << 28))
 
 
 def _lowbias32(h):
@@ -139,7 +140,7 @@ def stochastic_e2m1(v, u):
     t = a * pow2(1 - e)
     lo = jnp.floor(t)
     r = (lo + (u < (t - lo)).astype(jnp.float32)) * pow2(e - 1)
-    # copysign on the bits: -(x * p) compiled to fma(-x, p, +0), which loses -0
+    # copysign on the bits: Pallas lowers -x to 0 - x, which turns -0 into +0
     signed = from_bits(bits(r) | (bits(v) & jnp.int32(-(2**31))))
     return jnp.where(jnp.isnan(v), jnp.nan, signed)
 

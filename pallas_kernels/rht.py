@@ -19,7 +19,7 @@ the transform costs four additions per element instead of a (16-wide, mostly zer
 block-diagonal GEMM.
 
 With ``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based
-hash of the element's position in the output and a 32-bit seed drawn from the jax key
+hash of the element's position in the padded output and a 32-bit seed drawn from the jax key
 (``lowbias32``, shared/GPU.md: ``jax.random`` does not lower inside Triton kernels): the
 rounding is unbiased and deterministic per key, but its bits differ from the XLA path's
 ``jax.random`` bits, as the issue allows. Positions are 32-bit, so tensors with more than
@@ -27,9 +27,9 @@ rounding is unbiased and deterministic per key, but its bits differ from the XLA
 
 Layout. A tile is ``(TM, TK)`` of ``x`` with ``TM = 16 G`` tokens. Output element ``j`` of
 every 16-token group is a ``(G, TK)`` array; the 16 codes of a group and feature are packed
-into two little-endian uint32 words (element ``j`` in bits ``4j..4j+3`` of word ``j // 8``),
-which is the byte layout of the packed E2M1 data (element ``2i`` in the low nibble of byte
-``i``): the wrapper bitcasts the words to bytes.
+into two little-endian uint32 words (element ``j`` in bits ``4(j % 8)`` to ``4(j % 8) + 3`` of
+word ``j // 8``), which is the byte layout of the packed E2M1 data (element ``2i`` in the low
+nibble of byte ``i``): the wrapper bitcasts the words to bytes.
 """
 
 from __future__ import annotations

@@ -34,8 +34,10 @@ def numpy_rht(x, axis, signs=TE_SIGNS, n=16):
 
 @pytest.mark.parametrize("shape,axis", [((64, 24), 0), ((3, 40), 1), ((2, 5, 16), 1)])
 def test_rht_equals_the_numpy_butterflies_bit_for_bit(shape, axis):
-    x = np.asarray(jax.random.normal(jax.random.key(0), shape)) * 10.0 ** np.arange(
-        shape[-1]).clip(0, 6)  # mixed magnitudes make every summation order visible
+    # magnitudes that vary along the transformed axis make every summation order visible
+    scale = 10.0 ** (np.arange(shape[axis]) % 7).astype(np.float32)
+    x = np.asarray(jax.random.normal(jax.random.key(0), shape)) * np.expand_dims(
+        scale, tuple(d for d in range(len(shape)) if d != axis))
     x = x.astype(np.float32)
     got = np.asarray(rht(jnp.asarray(x), axis))
     np.testing.assert_array_equal(got.view(np.uint32), numpy_rht(x, axis).view(np.uint32))

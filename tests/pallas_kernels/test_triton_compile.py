@@ -6,17 +6,23 @@ The Triton modules JAX lowers for an abstract H200 are compiled by upstream Trit
 its own build of the same Triton pipeline, so this is a proxy for what the GPU compiles, and a
 kernel that stops compiling, spills registers or gains an approximate division fails CI.
 
-Checks per kernel: it compiles; ``ptxas -v`` reports no spill stores and no stack frame; the
-PTX has no approximate division or reciprocal (``div.full``, ``div.approx``, ``rcp.approx``)
-and no float ``min``/``max``, which return the number when the other operand is NaN (Triton
-lowers ``jnp.minimum`` to them; XLA's propagates the NaN);
-NVFP4 quantizers divide with ``div.rn.f32``; every float instruction of a
-round-to-nearest kernel is on an allowlist of exact or correctly rounded ones
-(``EXACT_FLOAT_OPS``): no ``fma`` although FP contraction is allowed, so their bits cannot
-depend on the compiler fusing a multiply and an add, and no flush-to-zero (``.ftz``) variant
-(Triton compiles ``jnp.abs`` and ``jnp.floor`` to ``abs.ftz`` / ``cvt.rmi.ftz``). The
-stochastic-rounding kernels may have both: their rounding is tested for unbiasedness, not
-bits.
+Checks per kernel:
+
+- it compiles, and ``ptxas -v`` reports no spill stores and no stack frame;
+- the Triton module negates no float (Pallas lowers ``-x`` to ``0 - x``, which loses -0);
+- the PTX has no approximate division or reciprocal (``div.full``, ``div.approx``,
+  ``rcp.approx``) and no float ``min``/``max``, which return the number when the other
+  operand is NaN (Triton lowers ``jnp.minimum`` to them; XLA's propagates the NaN);
+- NVFP4 quantizers divide with ``div.rn.f32``;
+- every float instruction of a round-to-nearest kernel is on an allowlist of exact or
+  correctly rounded ones (``EXACT_FLOAT_OPS``): no ``fma`` although FP contraction is
+  allowed, and no flush-to-zero variant (Triton compiles ``jnp.abs`` and ``jnp.floor`` to
+  ``abs.ftz`` / ``cvt.rmi.ftz``). The stochastic-rounding kernels may have both: their
+  rounding is tested for unbiasedness, not bits.
+
+``ptxas`` may still contract a plain ``mul``/``add`` pair into an FMA; no round-to-nearest
+kernel has a product feeding an addition except the RHT's multiplications by +-1, which are
+exact.
 
     python tests/pallas_kernels/test_triton_compile.py   # prints the table (registers, ...)
 """
@@ -44,6 +50,14 @@ EXACT_FLOAT_OPS = re.compile("|".join([
     r"(add|sub|mul)(\.rn)?\.f32", r"div\.rn\.f32", rf"(abs|neg|copysign)\.{_FLOAT}",
     r"selp\.f32", r"setp\.[a-z]+\.f32", rf"cvt\.{_FLOAT}\.{_FLOAT}",
     rf"cvt\.rn(\.satfinite)?\.{_FLOAT}\.{_FLOAT}"]))
+
+
+def negations(ttir: str) -> list[str]:
+    """The ``0 - x`` subtractions of a Triton module: how Pallas lowers ``-x``, which turns -0
+    into +0 (the kernels set signs on the bits instead)."""
+    zeros = set(re.findall(r"(%[\w#]+) = arith\.constant (?:dense<)?0\.000000e\+00>? : ", ttir))
+    zeros |= {z for z, c in re.findall(r"(%[\w#]+) = tt\.splat (%[\w#]+) ", ttir) if c in zeros}
+    return [z for z in re.findall(r"arith\.subf (%[\w#]+), ", ttir) if z in zeros]
 
 
 def float_ops(ptx: str) -> set[str]:
@@ -88,8 +102,9 @@ def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, t
     for shape in [(256, 512), (65536, 65536)]:
         f, args, stochastic = kernel_cases(shape)[name]
         modules += triton_modules(f, *args)
-    assert any(" i64" in ttir for _, ttir, _, _ in modules[len(modules) // 2:])
+    assert any("xi64>" in ttir for _, ttir, _, _ in modules[len(modules) // 2:])  # offsets
     for module, ttir, num_warps, num_stages in modules:
+        assert not negations(ttir), (module, "a float negation loses -0")
         ptx, stats = compile_for_h200(ttir, num_warps, num_stages, tmp_path)
         assert stats["spill_stores"] == 0 and stats["stack"] == 0, (module, stats)
         assert not re.search(r"\b(div\.full|div\.approx|rcp\.approx)", ptx), module
