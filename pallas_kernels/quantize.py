@@ -368,7 +368,7 @@ def _quantize_2d(w, global_amax, *, cfg: KernelConfig, interpret: bool):
 
 
 def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
-                          config: KernelConfig = KernelConfig()) -> tuple[QArray, QArray]:
+                          config: KernelConfig = DEFAULT_CONFIG) -> tuple[QArray, QArray]:
     """NVFP4 with 16x16 tiles of a weight matrix ``w`` in one pass: ``(quantize(w),
     quantize(w.T))`` as :func:`fp4lab.quantize` with ``tile=(16, 16)`` gives them, the second
     being the transposed copy that dgrad reads (the same scales, transposed)."""
@@ -406,7 +406,7 @@ def _dequantize_1d(q: QArray, dtype, *, cfg: KernelConfig, interpret: bool):
 
 
 def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
-               config: KernelConfig = KernelConfig()) -> jax.Array:
+               config: KernelConfig = DEFAULT_CONFIG) -> jax.Array:
     """The kernel path of :func:`fp4lab.dequantize` for 1D-blocked NVFP4/MX QArrays (last
     axis): one read of codes and scales, one write of ``dtype`` values (BF16 by default, for
     the emulated GEMM on GPUs without FP4 tensor cores)."""

@@ -1,6 +1,7 @@
 """Helpers shared by the kernel tests: bitwise comparison, every kernel entry point, and
 lowering for an abstract GPU (no GPU needed)."""
 
+import functools
 import re
 
 import jax
@@ -30,6 +31,7 @@ def assert_same_qarray(k, r):
     assert (k.format, k.axis, k.tile, k.shape) == (r.format, r.axis, r.tile, r.shape)
 
 
+@functools.cache
 def kernel_cases(shape=(256, 512), dtype=jnp.bfloat16):
     """``name -> (function, abstract arguments, stochastic)`` for every kernel entry point
     in compiled (not interpret) mode, on an input of ``shape``."""
