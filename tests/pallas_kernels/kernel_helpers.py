@@ -1,7 +1,6 @@
 """Helpers shared by the kernel tests: bitwise comparison, every kernel entry point, and
 lowering for an abstract GPU (no GPU needed)."""
 
-import functools
 import re
 
 import jax
@@ -31,10 +30,10 @@ def assert_same_qarray(k, r):
     assert (k.format, k.axis, k.tile, k.shape) == (r.format, r.axis, r.tile, r.shape)
 
 
-@functools.cache
 def kernel_cases(shape=(256, 512), dtype=jnp.bfloat16):
     """``name -> (function, abstract arguments, stochastic)`` for every kernel entry point
-    in compiled (not interpret) mode, on an input of ``shape``."""
+    in compiled (not interpret) mode, on an input of ``shape``. Not cached: new functions
+    make JAX lower again, which ``triton_modules`` needs to see the Triton modules."""
     x = jax.ShapeDtypeStruct(shape, dtype)
     key = jax.eval_shape(lambda: jax.random.key(0))
     cases = {}
