@@ -1,17 +1,22 @@
 """Benchmark: quantize and fake_quant of every format vs a jitted ``x * 2`` of the same tensor.
 
-Every time is reported as a ratio to the copy time measured in the same run (lower is
+Every time is reported as a ratio to the copy time measured in the same round (lower is
 better), beside the peers that do the same job: JAX's own NVFP4/MXFP8 quantizer
 (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``, as used by ``jax.nn.scaled_dot_general``)
-and qwix's quantize + dequantize. Timing: median of ``--reps`` calls, each synced with
-``block_until_ready``, after a warm-up call (compilation excluded).
+and qwix's quantize + dequantize.
 
-    python benchmarks/quantize.py [--size 4096] [--reps 15] [--formats nvfp4,mxfp8]
+Timing. Everything is compiled and warmed up first. Then ``--rounds`` rounds each time every
+variant once (the fastest of 3 back-to-back calls), in a fresh random order, each right after
+the copy timed the same way, which is its baseline, so a noisy neighbour or a clock change hits all variants alike. The table gives the
+min / median / max over the rounds of ``time / copy``.
+
+    python benchmarks/quantize.py [--size 4096] [--rounds 20] [--formats nvfp4,mxfp8] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -22,18 +27,8 @@ import fp4lab
 from fp4lab.formats import FORMATS
 
 
-def timeit(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def peers(x):
-    """name -> (format it corresponds to, jitted quantize+dequantize)."""
+    """name -> (format it corresponds to, jitted quantize (+ dequantize))."""
     out = {}
     try:
         from jax._src.cudnn import scaled_matmul_stablehlo as sms
@@ -72,29 +67,67 @@ def peers(x):
     return out
 
 
+def variants(x, formats):
+    """(format, label) -> jitted function of x."""
+    out = {}
+    for name in formats:
+        out[name, "fp4lab quantize"] = jax.jit(lambda x, name=name: fp4lab.quantize(x, name))
+        out[name, "fp4lab fake_quant"] = jax.jit(
+            lambda x, name=name: fp4lab.fake_quant(x, name))
+    for label, (fmt, fn) in peers(x).items():
+        if fmt in formats:
+            out[fmt, label] = fn
+    return out
+
+
+def _time(fn, x, calls: int = 3) -> float:
+    """The fastest of ``calls`` back-to-back synced calls (drops one-off interruptions)."""
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(fns: dict, x, rounds: int, seed: int = 0) -> dict:
+    """key -> list of per-round ratios to the copy timed just before it."""
+    copy = jax.jit(lambda x: x * 2)
+    for fn in (copy, *fns.values()):  # compile and warm up
+        jax.block_until_ready(fn(x))
+    order = list(fns)
+    rng = random.Random(seed)
+    ratios = {k: [] for k in fns}
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            base = _time(copy, x)
+            ratios[k].append(_time(fns[k], x) / base)
+    return ratios
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--smoke", action="store_true", help="tiny size and 2 rounds (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.size, args.rounds = 64, 2
 
     x = jax.random.normal(jax.random.key(0), (args.size, args.size), jnp.bfloat16)
-    copy = timeit(jax.jit(lambda x: x * 2), x, reps=args.reps)
-    print(f"{jax.devices()[0].device_kind}, {args.size}x{args.size} bf16; "
-          f"copy (jit x*2): {copy * 1e3:.2f} ms = 1.00x")
-    rows = []
-    for name in args.formats.split(","):
-        q = jax.jit(lambda x, name=name: fp4lab.quantize(x, name))
-        fq = jax.jit(lambda x, name=name: fp4lab.fake_quant(x, name))
-        rows.append((name, "fp4lab quantize", timeit(q, x, reps=args.reps) / copy))
-        rows.append((name, "fp4lab fake_quant", timeit(fq, x, reps=args.reps) / copy))
-    for label, (fmt, fn) in peers(x).items():
-        rows.append((fmt, label, timeit(fn, x, reps=args.reps) / copy))
-    rows.sort(key=lambda r: (r[0], r[2]))
-    print("\n| format | implementation | time / copy |\n|---|---|---|")
-    for fmt, label, r in rows:
-        print(f"| {fmt} | {label} | {r:.2f}x |")
+    formats = args.formats.split(",")
+    for f in formats:
+        fp4lab.get_format(f)  # a clear error for an unknown name
+    ratios = measure(variants(x, formats), x, args.rounds)
+    print(f"{jax.devices()[0].device_kind}, {args.size}x{args.size} bf16, {args.rounds} "
+          "interleaved rounds; time / copy (jit x*2 timed just before each call)")
+    print("\n| format | implementation | min | median | max |\n|---|---|---|---|---|")
+    rows = sorted(ratios.items(), key=lambda kv: (kv[0][0], statistics.median(kv[1])))
+    for (fmt, label), r in rows:
+        print(f"| {fmt} | {label} | {min(r):.2f}x | {statistics.median(r):.2f}x "
+              f"| {max(r):.2f}x |")
 
 
 if __name__ == "__main__":
