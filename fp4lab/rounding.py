@@ -31,6 +31,8 @@ __all__ = [
     "pow2",
     "exponent",
     "abs_max",
+    "opaque",
+    "div",
     "round_nearest",
     "round_stochastic",
     "uniform",
@@ -71,6 +73,21 @@ def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
     faster than a float max for block amaxes (measured 1.6x on the NVFP4 fake-quant)."""
     mag = float_bits(x.astype(jnp.float32)) & 0x7FFFFFFF
     return from_bits(jnp.max(mag, axis=axis, keepdims=keepdims))
+
+
+def opaque(*xs):
+    """``xs`` unchanged, behind an XLA optimization barrier (one array, or a tuple of them).
+
+    XLA's passes do not look through, constant-fold or fuse across the barrier, so the value
+    is rounded and materialized as float32 before any consumer sees it: a product behind it
+    cannot be contracted with a later addition into an FMA, a constant behind it cannot be
+    folded into a reassociated product (``(q * C1) * C2`` became ``q * fl(C1 * C2)``), and a
+    divisor behind it is not replaced by a reciprocal. The quantizers put it where one of
+    those rewrites would change a bit (docs/numerics.md lists every site); it costs a
+    materialized array, so it guards per-block values, not every element, except where an
+    output leaves the quantizer."""
+    out = lax.optimization_barrier(xs)
+    return out[0] if len(xs) == 1 else out
 
 
 def saturate(v: jax.Array, fmt: ElementFormat) -> jax.Array:
@@ -202,8 +219,8 @@ def unpack_nibbles(packed: jax.Array, axis: int) -> jax.Array:
 def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     """IEEE float32 ``a / b`` (round to nearest even) from integer operations only.
 
-    XLA on NVIDIA GPUs compiles float32 division to an approximate instruction (shared/GPU.md:
-    1/d differed from IEEE on 13 % of inputs), which would break the reference's bit-exact
+    XLA on NVIDIA GPUs compiles float32 division to an approximate instruction (measured on an
+    H200: 1/d differed from IEEE on 13 % of inputs, docs/numerics.md), which would break the reference's bit-exact
     scales there. Integer arithmetic is exact everywhere, and classifying by bit patterns
     keeps subnormal inputs from being flushed (XLA:CPU's DAZ): the quotient's 24 significant
     bits and a round bit come from a 25-step restoring long division of the 24-bit
@@ -267,9 +284,17 @@ def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def div(a, b) -> jax.Array:
-    """Correctly rounded float32 ``a / b`` on every platform: XLA's own division on CPU
-    (IEEE there; subject to XLA:CPU's FTZ/DAZ like every other operation), the integer
-    long division of :func:`_div_rn_bits` on GPUs, whose XLA division is approximate."""
+    """Correctly rounded float32 ``a / b`` on every platform, out of reach of XLA's rewrites.
+
+    The quotient is XLA's own division on CPU (IEEE there; subject to XLA:CPU's FTZ/DAZ like
+    every other operation) and the integer long division of :func:`_div_rn_bits` on GPUs,
+    whose XLA division is approximate. Both operands and the quotient pass through
+    :func:`opaque`: XLA's algebraic simplifier rewrites a division by a constant or by a
+    broadcast scalar into a multiplication by its reciprocal (``amax / 127`` became
+    ``amax * fl(1/127)``: GGML Q8_0 scales one ulp off) and ``1 / (m / c)`` into ``c / m``;
+    it can apply neither to operands it cannot see (docs/numerics.md, the rewrite audit)."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    return lax.platform_dependent(
+    a, b = opaque(a, b)
+    q = lax.platform_dependent(
         a, b, cpu=lambda a, b: a / b, default=lambda a, b: from_bits(_div_rn_bits(a, b)))
+    return opaque(q)

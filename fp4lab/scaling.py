@@ -13,12 +13,14 @@ the blocks (one entry per block, broadcastable against the elements):
 * ``round_nearest(v, element)``: the element rounding (RNE by default; GGML's own rules for
   its formats).
 
-The arithmetic is written exactly as shared/NUMERICS.md states it, one float32 operation per
+The arithmetic is written exactly as docs/numerics.md states it, one float32 operation per
 ``fl()``, in the order given there; every division is :func:`fp4lab.rounding.div`, correctly
 rounded on GPUs too (XLA's GPU division is approximate). On XLA:CPU float32 subnormals are
 flushed to zero (inputs and results): values and intermediates below 2**-126 in magnitude
 count as zero. That matters only for tensors or blocks whose amax is below ~1e-35; see the
-NUMERICS notes in ``fp4lab.quantize``.
+notes in ``fp4lab.quantize``. Where an XLA rewrite could change a bit, the code defends it
+(``rounding.div``, ``rounding.opaque``, Q4_0's addition-free rounding): the audit in
+docs/numerics.md lists every site.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class AbsMaxScale(ScaleScheme):
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Scale(ScaleScheme):
-    """NVFP4 two-level scaling, bit-exact with Transformer Engine (NUMERICS.md)::
+    """NVFP4 two-level scaling, bit-exact with Transformer Engine (docs/numerics.md)::
 
         S_enc = min(fl(2688 / amax), FLT_MAX); S_enc = 1 if amax == 0 or S_enc == 0
         S_dec = fl(1 / S_enc)
@@ -197,17 +199,45 @@ class PowerOfTwoScale(ScaleScheme):
         return scale == 0  # 2**-127: the exponent clamped at the bottom of E8M0's range
 
 
+def _q4_0_thresholds() -> np.ndarray:
+    """``T[n - 1]`` for ``n = 1..15``: the smallest float32 ``v`` with ``fl(v + 8.5) >= n``.
+
+    Found once, here, with NumPy's IEEE float32 addition: from ``n - 8.5`` (where the sum is
+    exactly ``n``) step down one float32 at a time while the rounded sum still reaches ``n``.
+    ``fl(v + 8.5)`` is non-decreasing in ``v``, so ``floor(fl(v + 8.5)) >= n`` exactly when
+    ``v >= T[n - 1]``."""
+    eight_half, down = F32(8.5), F32(-np.inf)
+    out = []
+    for n in range(1, 16):
+        v = F32(n - 8.5)
+        while F32(np.nextafter(v, down) + eight_half) >= n:
+            v = np.nextafter(v, down)
+        out.append(v)
+    table = np.array(out, F32)
+    n = np.arange(1, 16)
+    off = np.where(n >= 9, 2.0**-21, np.where(n >= 5, 2.0**-22, 0.0))
+    assert np.array_equal(table, (n - 8.5 - off).astype(F32)), table  # round_nearest's form
+    return table
+
+
 @dataclasses.dataclass(frozen=True)
 class GGMLQ4_0Scale(ScaleScheme):
     """GGML Q4_0 (as used for Gemma-style QAT checkpoints): per 32-block, ``m`` = the signed
     value of largest magnitude (first on ties), ``d = fl(m / -8)``, ``id = fl(1/d)`` (0 when
     d = 0), ``q = min(15, floor(fl(fl(x * id) + 8.5))) - 8`` in [-8, 7], ``d`` stored as
     float16; dequantize ``q * d``. Matches GGML's arithmetic (values and scales), with our
-    packing (two's complement nibbles, element 2i low) rather than GGML's byte layout."""
+    packing (two's complement nibbles, element 2i low) rather than GGML's byte layout.
+
+    The element rounding needs ``fl(x * id)`` rounded before 8.5 is added, and XLA contracts
+    ``x * id + 8.5`` into one FMA (on CPU and GPU alike), which moved codes. So no addition
+    is made: the code is the number of thresholds ``T_n`` (the exact preimages of the
+    integers ``n = 1..15`` under ``v -> fl(v + 8.5)``) that ``v = fl(x * id)`` reaches,
+    which equals ``clip(floor(fl(v + 8.5)), 0, 15)`` for every float32 ``v``; NaN gives 0."""
 
     scale_dtype = "float16"
     scale_name = "fp16"
     scale_bits = 16
+    thresholds = _q4_0_thresholds()
 
     def statistic(self, xb, axes):
         (axis,) = axes
@@ -223,7 +253,17 @@ class GGMLQ4_0Scale(ScaleScheme):
         return (scale.astype(jnp.float32),)
 
     def round_nearest(self, v, element):
-        return jnp.minimum(jnp.floor(v + F32(8.5)), F32(15)) - F32(8)
+        # floor(fl(v + 8.5)) is k + 8 or k + 9 for k = floor(v): k + 9 when v >= T_(k+9).
+        # T_n = (n - 8.5) - off_n exactly, off_n = 0, 2**-22, 2**-21 for n in 1..4, 5..8,
+        # 9..15 (the spacing of float32 just below n, halved, where it is finer than v's own;
+        # checked against the searched table at import); k = floor(v) sits between the
+        # product and every addition, so nothing can be contracted.
+        k = jnp.floor(v)
+        n = k + F32(9)
+        off = jnp.where(n >= 9, F32(2.0**-21), jnp.where(n >= 5, F32(2.0**-22), F32(0)))
+        up = (v >= (k + F32(0.5)) - off).astype(jnp.float32)
+        xi = jnp.clip(k + F32(8) + up, F32(0), F32(15))
+        return jnp.where(jnp.isnan(v), F32(0), xi - F32(8))
 
 
 @dataclasses.dataclass(frozen=True)
