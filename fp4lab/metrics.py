@@ -24,8 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from fp4lab import rounding
 from fp4lab.formats import Format
-from fp4lab.quantize import _dequantize_blocks, _from_blocks, _quantize_blocks, validate
+from fp4lab.quantize import (_dequantize_blocks, _from_blocks, _quantize_blocks,
+                             _rounded_output, validate)
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
@@ -33,17 +35,28 @@ METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "s
                 "bad_scales")
 
 
+def _rate(count: jax.Array, total) -> jax.Array:
+    """``count / total`` for an int32 count: exact counts (float32 sums of booleans stop
+    counting at 2**24 elements), then one correctly rounded division (``rounding.div``: a
+    division by the constant ``total`` is not turned into a reciprocal product)."""
+    return rounding.div(count.astype(jnp.float32), jnp.maximum(total, 1).astype(jnp.float32))
+
+
 def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
-    """Underflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32)."""
+    """Underflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32).
+
+    The underflow rates are exact counts and one rounding; the error sums are float32
+    reductions in the order XLA chooses, so they agree across backends to rounding, not to
+    the bit (docs/numerics.md)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.float32)
     nonzero = x != 0
-    flushed = jnp.sum(nonzero & (y == 0), dtype=jnp.float32)
+    flushed = jnp.sum(nonzero & (y == 0), dtype=jnp.int32)
     signal = jnp.sum(jnp.square(x))
     noise = jnp.sum(jnp.square(x - y))
     return {
-        "underflow": flushed / jnp.maximum(jnp.sum(nonzero, dtype=jnp.float32), 1.0),
-        "underflow_all": flushed / max(x.size, 1),
+        "underflow": _rate(flushed, jnp.sum(nonzero, dtype=jnp.int32)),
+        "underflow_all": _rate(flushed, jnp.int32(x.size)),
         "mse": noise / max(x.size, 1),
         "rel_mse": noise / signal,
         "sqnr_db": 10.0 * (jnp.log10(signal) - jnp.log10(noise)),
@@ -57,12 +70,14 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
         zero = jnp.float32(0)
         return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero}
     b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
-    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g)
+    # the dequantized values rounded (no FMA with the subtraction in error_metrics)
+    y = _rounded_output(_from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g))
     saturated = _from_blocks(jnp.abs(b.v) > fmt.element.max, g)
+    bad = fmt.scaling.bad_scale(b.scale)
     return {
         **error_metrics(x, y),
-        "saturation": jnp.mean(saturated, dtype=jnp.float32),
-        "bad_scales": jnp.mean(fmt.scaling.bad_scale(b.scale), dtype=jnp.float32),
+        "saturation": _rate(jnp.sum(saturated, dtype=jnp.int32), jnp.int32(saturated.size)),
+        "bad_scales": _rate(jnp.sum(bad, dtype=jnp.int32), jnp.int32(bad.size)),
     }
 
 
