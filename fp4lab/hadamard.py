@@ -4,7 +4,7 @@
 ``s``; each group of ``n`` consecutive elements along ``axis`` is multiplied by ``T`` (as
 ``x_group @ T``). ``T T^T = I``, so applying it to both operands of a GEMM along the GEMM's
 reduction axis leaves the product unchanged while spreading outliers across each group before
-quantization (NUMERICS.md; applied to the wgrad operands in the NVFP4 recipe).
+quantization (docs/numerics.md; applied to the wgrad operands in the NVFP4 recipe).
 
 Arithmetic (the same in the fused Pallas kernel, so the two agree bit for bit). With
 ``T = diag(s) H_n c``, ``c = fl32(1/sqrt(n))`` (1/4 for n = 16, exact), each group is computed
@@ -38,7 +38,7 @@ from jax import lax
 __all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
            "walsh_hadamard", "rht"]
 
-# Transformer Engine's fixed sign vector for 16-point RHT (NUMERICS.md).
+# Transformer Engine's fixed sign vector for 16-point RHT (docs/numerics.md).
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 

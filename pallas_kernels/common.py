@@ -7,7 +7,7 @@ what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
 * :func:`abs_max_bits`: a block's ``max |x|`` on the float32 bit patterns (exact, and a NaN
   wins, as in ``fp4lab.rounding.abs_max``);
 * :func:`div`: correctly rounded float32 division. Triton's ``/`` is approximate on NVIDIA
-  GPUs (``div.full``: shared/GPU.md measured wrong E2M1 codes on 2.5e-4 of elements), so on
+  GPUs (``div.full``: wrong E2M1 codes on 2.5e-4 of elements on an H200, docs/numerics.md), so on
   the GPU it is the PTX ``div.rn.f32`` instruction; in interpret mode (CPU) XLA's division is
   IEEE already;
 * :func:`e2m1_code`: round-to-nearest-even onto the E2M1 grid and its 4-bit code in one step
@@ -16,7 +16,7 @@ what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
 * :func:`pack_pairs`: two 4-bit codes per byte, element ``2i`` in the low nibble;
 * :func:`hash_uniform` / :func:`stochastic_e2m1`: stochastic rounding onto E2M1 with uniforms
   from a counter-based hash of the element's position and a seed (``jax.random`` does not lower
-  inside Triton kernels, shared/GPU.md): unbiased and deterministic per seed, with other bits
+  inside Triton kernels, docs/kernels.md): unbiased and deterministic per seed, with other bits
   than ``jax.random``'s.
 """
 

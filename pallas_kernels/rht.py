@@ -20,7 +20,7 @@ block-diagonal GEMM.
 
 With ``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based
 hash of the element's position in the padded output and a 32-bit seed drawn from the jax key
-(``lowbias32``, shared/GPU.md: ``jax.random`` does not lower inside Triton kernels): the
+(``lowbias32``; ``jax.random`` does not lower inside Triton kernels, docs/kernels.md): the
 rounding is unbiased and deterministic per key, but its bits differ from the XLA path's
 ``jax.random`` bits, as the issue allows. Positions are 32-bit, so tensors with more than
 2**32 elements reuse counters.

@@ -1,13 +1,13 @@
 """NumPy reference implementation of fp4lab's quantization numerics (the test oracle).
 
-This module is the *oracle* used by fp4lab's tests. It was written directly from
-``/work/shared/NUMERICS.md`` and independently of the ``fp4lab`` package (none of whose code
-was read or imported while writing it), so that agreement between the two is evidence that
-both follow the spec rather than a shared bug.
+This module is the *oracle* used by fp4lab's tests. It was written directly from the numerics
+specification (now ``docs/numerics.md``) and independently of the ``fp4lab`` package (none of
+whose code was read or imported while writing it), so that agreement between the two is
+evidence that both follow the spec rather than a shared bug.
 
 Conventions
 -----------
-* ``fl(e)`` in NUMERICS.md -- evaluate ``e`` in float32 with round-to-nearest-even -- is
+* ``fl(e)`` in docs/numerics.md -- evaluate ``e`` in float32 with round-to-nearest-even -- is
   written here as one float32 NumPy operation per ``fl`` (:func:`_mul`, :func:`_div`, ...), in
   exactly the order the spec gives. NumPy's float32 ``*`` and ``/`` are IEEE-754 correctly
   rounded (RNE), and NumPy does not flush subnormals.
@@ -23,7 +23,7 @@ Conventions
 * Block quantizers return codes *unpacked* (one code per element, same shape as ``x``) and
   scale arrays shaped ``(rows // b0, cols // b1)`` for a block shape ``(b0, b1)``. The caller
   guarantees divisibility.
-* NaN and infinity handling follows NUMERICS.md plus the explicit choices documented on each
+* NaN and infinity handling follows docs/numerics.md plus the explicit choices documented on each
   function. Overflow/invalid warnings are suppressed locally (``np.errstate``).
 
 Only ``numpy`` is imported (no jax, no ml_dtypes).
@@ -61,7 +61,7 @@ MX_EMAX = {"e2m1": 2, "e4m3": 8, "e5m2": 15}
 
 
 # ----------------------------------------------------------------------------------------------
-# float32 arithmetic helpers: one helper call == one fl(...) of NUMERICS.md
+# float32 arithmetic helpers: one helper call == one fl(...) of docs/numerics.md
 # ----------------------------------------------------------------------------------------------
 
 def ftz32(a):
@@ -201,7 +201,7 @@ def _encode_fp8(v, ftz, *, mbits, bias, max_finite):
 def e2m1_code(v, ftz: bool = False):
     """float32 -> 4-bit E2M1 code (0..15, sign in bit 3), RNE, saturating.
 
-    Magnitude code from NUMERICS.md's branch-free formula with ``a = |v|``:
+    Magnitude code from docs/numerics.md's branch-free formula with ``a = |v|``:
     ``(a>0.25)+(a>=0.75)+(a>1.25)+(a>=1.75)+(a>2.5)+(a>=3.5)+(a>5)``; everything above 5
     (including inf) -> 6.0 (code 7). Sign bit = ``np.signbit(v)`` (so -0.0 and -0.1 give 0x8).
     NaN -> code 0 (+0).
@@ -327,7 +327,7 @@ _F32_2688 = F32(2688.0)
 
 
 def nvfp4_quantize(x, block_shape=(1, 16), amax=None, ftz: bool = False):
-    """NVFP4 quantization, NUMERICS.md "NVFP4 (TE-exact)".
+    """NVFP4 quantization, docs/numerics.md "NVFP4 (bit-exact with Transformer Engine)".
 
     Args:
       x: float32 (M, N). block_shape: (1, 16) for 1D blocks along the last axis or (16, 16)

@@ -1,8 +1,8 @@
-"""Self-checks of the NumPy test oracle (tests/numpy_ref.py) against NUMERICS.md.
+"""Self-checks of the NumPy test oracle (tests/numpy_ref.py) against docs/numerics.md.
 
 These tests check the *reference*, not fp4lab: element conversions are compared exhaustively
 with ml_dtypes / np.float16 (used here only, never inside numpy_ref.py), and the block formats
-with the test vectors and hand-computed examples of /work/shared/NUMERICS.md.
+with the test vectors and hand-computed examples of docs/numerics.md.
 """
 
 import ml_dtypes
@@ -120,7 +120,7 @@ def test_e2m1_exhaustive():
     want = np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     _assert_codes_equal(ref.e2m1_code(v), want, v)
 
-    # NUMERICS.md's tie table, saturation, sign of zero, NaN -> +0 (ml_dtypes gives -0).
+    # docs/numerics.md's tie table, saturation, sign of zero, NaN -> +0 (ml_dtypes gives -0).
     ties = f32(0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
     assert ref.e2m1_value(ref.e2m1_code(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4]
     assert ref.e2m1_code(f32(5.0001, 7, 1e30, INF, -INF)).tolist() == [7, 7, 7, 7, 15]

@@ -1,4 +1,4 @@
-"""fp4lab.metrics: known values on constructed tensors, and the NUMERICS.md reference figures."""
+"""fp4lab.metrics: known values on constructed tensors, and the docs/numerics.md reference figures."""
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ def test_exact_format_has_infinite_sqnr_and_padding_is_not_counted():
 
 
 def test_gaussian_reference_figures():
-    """NUMERICS.md: NVFP4 RTN on N(0,1) ~20.4 dB SQNR and ~6.8 % underflow; SR ~17.2 dB."""
+    """docs/numerics.md: NVFP4 RTN on N(0,1) ~20.4 dB SQNR and ~6.8 % underflow; SR ~17.2 dB."""
     x = jax.random.normal(jax.random.key(0), (256, 1024))
     m = quant_metrics(x, "nvfp4")
     assert 20.0 < float(m["sqnr_db"]) < 20.8

@@ -383,7 +383,7 @@ def test_stochastic_rounding_is_unbiased(fmt):
     # For a fixed scale E[SR(v)] = v, so the mean converges to x up to the rounding of the
     # scale product (a few ulps) and sd/sqrt(n); elements on the grid have sd = 0. Block
     # maxima are left out: a block scale that rounds down can push |v| past the element max,
-    # where the value saturates (unbiasedness holds for |v| <= max, NUMERICS.md).
+    # where the value saturates (unbiasedness holds for |v| <= max, docs/numerics.md).
     xa = np.abs(np.asarray(x, np.float64))
     inside = xa < 0.9 * xa.reshape(2, 2, 16).max(-1, keepdims=True).repeat(16, -1).reshape(2, 32)
     err = np.abs(mean - np.asarray(x, np.float64))
