@@ -219,13 +219,13 @@ def unpack_nibbles(packed: jax.Array, axis: int) -> jax.Array:
 def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     """IEEE float32 ``a / b`` (round to nearest even) from integer operations only.
 
-    XLA on NVIDIA GPUs compiles float32 division to an approximate instruction (measured on an
-    H200: 1/d differed from IEEE on 13 % of inputs, docs/numerics.md), which would break the reference's bit-exact
-    scales there. Integer arithmetic is exact everywhere, and classifying by bit patterns
-    keeps subnormal inputs from being flushed (XLA:CPU's DAZ): the quotient's 24 significant
-    bits and a round bit come from a 25-step restoring long division of the 24-bit
-    significands, the remainder gives the sticky bit, and subnormal results shift the
-    quotient right with the shifted-out bits joining the sticky bit.
+    XLA on NVIDIA GPUs compiles float32 division to an approximate instruction (measured on
+    an H200: 1/d differed from IEEE on 13 % of inputs, docs/numerics.md), which would break
+    the reference's bit-exact scales there. Integer arithmetic is exact everywhere, and
+    classifying by bit patterns keeps subnormal inputs from being flushed (XLA:CPU's DAZ): the
+    quotient's 24 significant bits and a round bit come from a 25-step restoring long
+    division of the 24-bit significands, the remainder gives the sticky bit, and subnormal
+    results shift the quotient right with the shifted-out bits joining the sticky bit.
     """
     u32 = jnp.uint32
     ab, bb = float_bits(a), float_bits(b)

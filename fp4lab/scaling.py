@@ -200,12 +200,12 @@ class PowerOfTwoScale(ScaleScheme):
 
 
 def _q4_0_thresholds() -> np.ndarray:
-    """``T[n - 1]`` for ``n = 1..15``: the smallest float32 ``v`` with ``fl(v + 8.5) >= n``.
+    """``T(n)`` for ``n = 1..15``: the smallest float32 ``v`` with ``fl(v + 8.5) >= n``.
 
     Found once, here, with NumPy's IEEE float32 addition: from ``n - 8.5`` (where the sum is
     exactly ``n``) step down one float32 at a time while the rounded sum still reaches ``n``.
     ``fl(v + 8.5)`` is non-decreasing in ``v``, so ``floor(fl(v + 8.5)) >= n`` exactly when
-    ``v >= T[n - 1]``."""
+    ``v >= T(n)``."""
     eight_half, down = F32(8.5), F32(-np.inf)
     out = []
     for n in range(1, 16):
@@ -220,6 +220,9 @@ def _q4_0_thresholds() -> np.ndarray:
     return table
 
 
+Q4_0_THRESHOLDS = _q4_0_thresholds()  # T(1), ..., T(15)
+
+
 @dataclasses.dataclass(frozen=True)
 class GGMLQ4_0Scale(ScaleScheme):
     """GGML Q4_0 (as used for Gemma-style QAT checkpoints): per 32-block, ``m`` = the signed
@@ -228,16 +231,16 @@ class GGMLQ4_0Scale(ScaleScheme):
     float16; dequantize ``q * d``. Matches GGML's arithmetic (values and scales), with our
     packing (two's complement nibbles, element 2i low) rather than GGML's byte layout.
 
-    The element rounding needs ``fl(x * id)`` rounded before 8.5 is added, and XLA contracts
-    ``x * id + 8.5`` into one FMA (on CPU and GPU alike), which moved codes. So no addition
-    is made: the code is the number of thresholds ``T_n`` (the exact preimages of the
-    integers ``n = 1..15`` under ``v -> fl(v + 8.5)``) that ``v = fl(x * id)`` reaches,
-    which equals ``clip(floor(fl(v + 8.5)), 0, 15)`` for every float32 ``v``; NaN gives 0."""
+    The element rounding needs ``v = fl(x * id)`` rounded before 8.5 is added, and XLA
+    contracts ``x * id + 8.5`` into one FMA (on CPU and GPU alike), which moved codes. So no
+    addition consumes ``v``: with ``k = floor(v)``, ``floor(fl(v + 8.5))`` is ``k + 9`` when
+    ``v`` reaches the threshold ``T(k + 9)`` (the least float32 whose rounded sum with 8.5 is
+    ``k + 9``; :data:`Q4_0_THRESHOLDS`) and ``k + 8`` otherwise. This equals GGML's
+    ``clip(floor(fl(v + 8.5)), 0, 15)`` for every float32 ``v``; NaN gives code 0."""
 
     scale_dtype = "float16"
     scale_name = "fp16"
     scale_bits = 16
-    thresholds = _q4_0_thresholds()
 
     def statistic(self, xb, axes):
         (axis,) = axes
@@ -253,10 +256,9 @@ class GGMLQ4_0Scale(ScaleScheme):
         return (scale.astype(jnp.float32),)
 
     def round_nearest(self, v, element):
-        # floor(fl(v + 8.5)) is k + 8 or k + 9 for k = floor(v): k + 9 when v >= T_(k+9).
-        # T_n = (n - 8.5) - off_n exactly, off_n = 0, 2**-22, 2**-21 for n in 1..4, 5..8,
-        # 9..15 (the spacing of float32 just below n, halved, where it is finer than v's own;
-        # checked against the searched table at import); k = floor(v) sits between the
+        # T(n) = (n - 8.5) - off(n) exactly, off = 0, 2**-22, 2**-21 for n in 1..4, 5..8,
+        # 9..15 (half the float32 spacing just below n, where that is finer than v's own;
+        # checked against the searched table at import). k = floor(v) stands between the
         # product and every addition, so nothing can be contracted.
         k = jnp.floor(v)
         n = k + F32(9)

@@ -314,7 +314,8 @@ def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
         elem = {"mxfp8": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4": "e2m1"}[fmt.removesuffix("_floor")]
         mode = "floor" if fmt.endswith("_floor") else "rceil"
         codes, sb = ref.mx_quantize(x, elem, mode, ftz=ftz)
-        return {"codes": codes, "scale": sb, "values": ref.mx_dequantize(codes, sb, elem, ftz=ftz)}
+        return {"codes": codes, "scale": sb,
+                "values": ref.mx_dequantize(codes, sb, elem, ftz=ftz)}
     if fmt in ("fp8_e4m3", "fp8_e5m2"):
         elem = fmt[-4:]
         codes, _, inv = ref.fp8_tensor_quantize(x, elem, amax=amax, ftz=ftz)
@@ -327,7 +328,8 @@ def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
                 "values": ref.fp8_block_dequantize(codes, inv, block, ftz=ftz)}
     if fmt in ("int8", "int4"):
         q, inv = ref.int_quantize(x, {"int8": 8, "int4": 4}[fmt], ftz=ftz)
-        return {"codes": q, "scale": inv.view(np.uint32), "values": ref.int_dequantize(q, inv, ftz=ftz)}
+        return {"codes": q, "scale": inv.view(np.uint32),
+                "values": ref.int_dequantize(q, inv, ftz=ftz)}
     if fmt in ("int4_q4_0", "int8_q8_0"):
         quant, dequant = {"int4_q4_0": (ref.q4_0_quantize, ref.q4_0_dequantize),
                           "int8_q8_0": (ref.q8_0_quantize, ref.q8_0_dequantize)}[fmt]
