@@ -292,7 +292,9 @@ def div(a, b) -> jax.Array:
     :func:`opaque`: XLA's algebraic simplifier rewrites a division by a constant or by a
     broadcast scalar into a multiplication by its reciprocal (``amax / 127`` became
     ``amax * fl(1/127)``: GGML Q8_0 scales one ulp off) and ``1 / (m / c)`` into ``c / m``;
-    it can apply neither to operands it cannot see (docs/numerics.md, the rewrite audit)."""
+    it can apply neither to operands it cannot see (docs/numerics.md, the rewrite audit). The
+    opaque quotient keeps consumers from reassociating with it, and makes the GPU's long
+    division run once per value instead of inside every fused element loop that reads it."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     a, b = opaque(a, b)
     q = lax.platform_dependent(
