@@ -1,14 +1,23 @@
 """Per-layer precision policies: ordered rules from module paths to recipes.
 
 A :class:`Rule` matches a layer by a regex (``fullmatch`` on the "/"-joined module path), an
-optional layer kind, and an optional depth selector (``Depth(first=2)``,
-``Depth(last_fraction=0.15)``); the first matching rule wins, else the policy's default.
-A layer's depth is the block index found in its path by ``block_pattern`` (by default a path
-element such as ``blocks_3``, ``layers_3``, ``block3`` or ``layers/3``), out of ``num_blocks``.
+optional layer kind, an optional depth selector (``Depth(first=2)``,
+``Depth(last_fraction=0.15)``) and ``outside_blocks`` (layers in no block: embeddings, heads,
+stems); the first matching rule wins, else the policy's default.
 
-:func:`explain` resolves a policy over a model's layers and returns a readable table; with
-``strict=True`` a rule that matched nothing is an error (a typo in a regex must not silently
-leave a model in the wrong precision).
+A layer's depth is the block index found in its path by ``block_pattern``. The default finds
+the ways Flax and common model code name blocks: a path element ``blocks_3``, ``layers_3``,
+``layer3``, ``h_3``, Linen's automatic names of block modules (``Block_3``,
+``TransformerBlock_3``, ``DecoderLayer_3``), NNX list attributes (``layers/3``, ``h/3``) and
+dotted names (``blocks.3``, ``h.3``). :func:`block_pattern_for` builds the pattern for any
+other block name (``quantize_model(..., block="Stage")``).
+
+:func:`explain` resolves a policy over a model's layers and returns a readable table. A rule
+that matched nothing is reported: ``UNUSED`` in the table, a :class:`PolicyWarning` from
+``fp4lab.flax.quantize_model``, an error with ``strict=True`` (a typo in a regex must not
+silently leave a model in the wrong precision). Presets mark the rules that only some
+architectures need (Mamba, latent projections) ``required=False``: they are listed, not
+warned about.
 """
 
 from __future__ import annotations
@@ -16,15 +25,44 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Iterable
 
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "explain", "PRESETS",
            "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
-           "policy_from_dict"]
+           "policy_from_dict", "block_pattern_for", "PolicyWarning", "LAYER_KINDS",
+           "check_unused"]
 
-DEFAULT_BLOCK_PATTERN = r"(?:^|/)(?:blocks?|layers?|h)[_/]?(\d+)(?:/|$)"
+# a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...)
+DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)"
+                         r"[_./]?(\d+)(?=/|$)")
+# the kinds of layer a rule can name: fp4lab.flax's Linen and NNX layer classes, lower case
+LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral")
+
+
+class PolicyWarning(UserWarning):
+    """A policy rule matched no layer of the model it was applied to."""
+
+
+def block_pattern_for(block: str) -> str:
+    """The ``block_pattern`` for blocks named ``block``: a path element ``block_3``,
+    ``block3``, ``block.3`` or ``block/3`` is block 3. A string holding a regex group is
+    taken as the pattern itself (its first group is the index)."""
+    if not isinstance(block, str) or not block:
+        raise ValueError(f"block={block!r} must be a path element name such as 'Block' "
+                         "(or a regex with one group for the index)")
+    if "(" in block:
+        pattern = block
+    else:
+        pattern = r"(?:^|/)" + re.escape(block) + r"[_./]?(\d+)(?=/|$)"
+    try:
+        if re.compile(pattern).groups < 1:
+            raise ValueError(f"block pattern {pattern!r} has no group for the block index")
+    except re.error as e:
+        raise ValueError(f"block pattern {pattern!r} is not a valid regex: {e}") from None
+    return pattern
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,12 +91,17 @@ class Depth:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule:
     """``recipe`` for layers whose path fullmatches ``pattern`` (and whose kind is ``kind``,
-    and whose block is selected by ``depth``, when given)."""
+    whose block is selected by ``depth``, and which are in no block when ``outside_blocks``,
+    where given). ``kind`` is a Flax layer class name, in any case (``"Dense"`` and
+    ``"dense"`` are the same kind). ``required=False``: a rule that some models have no
+    layer for (it is not warned about when it matches nothing)."""
 
     recipe: str | Recipe
     pattern: str = ".*"
     kind: str | None = None
     depth: Depth | None = None
+    outside_blocks: bool = False
+    required: bool = True
     name: str = ""
 
     def __post_init__(self):
@@ -67,6 +110,15 @@ class Rule:
             re.compile(self.pattern)
         except re.error as e:
             raise ValueError(f"rule pattern {self.pattern!r} is not a valid regex: {e}") from None
+        if self.kind is not None:
+            kind = str(self.kind).lower()
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"rule kind={self.kind!r} is not a layer kind; use one of "
+                                 f"{', '.join(LAYER_KINDS)} (any case)")
+            object.__setattr__(self, "kind", kind)
+        if self.depth is not None and self.outside_blocks:
+            raise ValueError("a rule selects blocks by depth or layers outside the blocks, "
+                             "not both")
 
     def label(self) -> str:
         if self.name:
@@ -76,6 +128,8 @@ class Rule:
             parts.append(f"kind={self.kind}")
         if self.depth:
             parts.append(repr(self.depth).replace("Depth", "depth"))
+        if self.outside_blocks:
+            parts.append("outside blocks")
         return " ".join(parts)
 
 
@@ -112,6 +166,8 @@ class PrecisionPolicy:
                 continue
             if r.kind is not None and r.kind != kind:
                 continue
+            if r.outside_blocks and (block is not None or num_blocks is None):
+                continue  # (a model without blocks has no outside either)
             if r.depth is not None:
                 if block is None:
                     continue
@@ -127,13 +183,18 @@ class PrecisionPolicy:
                    num_blocks: int | None = None) -> Recipe:
         return self.assign(path, kind, num_blocks).recipe
 
+    def with_block(self, block: str) -> PrecisionPolicy:
+        """This policy with blocks found by :func:`block_pattern_for` ``(block)``."""
+        return dataclasses.replace(self, block_pattern=block_pattern_for(block))
+
     def infer_num_blocks(self, paths: Iterable[str]) -> int | None:
         blocks = [b for b in (self.block_of(p) for p in paths) if b is not None]
         return max(blocks) + 1 if blocks else None
 
 
 class ExplainTable(list):
-    """A list of :class:`Assignment` that prints as a table."""
+    """A list of :class:`Assignment` that prints as a table; ``unused`` are the indices of
+    the rules that matched no layer."""
 
     def __init__(self, rows, policy, unused):
         super().__init__(rows)
@@ -149,18 +210,47 @@ class ExplainTable(list):
             lines.append(f"{a.path.ljust(w)}  {a.kind or '-':13s}  {blk:>5}  "
                          f"{a.recipe.name:16s}  {rule}")
         for i in self.unused:
-            lines.append(f"UNUSED rule {i}: {self.policy.rules[i].label()}")
+            r = self.policy.rules[i]
+            what = "UNUSED rule" if r.required else "unused optional rule"
+            lines.append(f"{what} {i}: {r.label()}")
         return "\n".join(lines)
 
 
+def check_unused(policy: PrecisionPolicy, assignments, *, strict: bool = False,
+                 stacklevel: int = 2) -> list[int]:
+    """The indices of ``policy``'s rules that no assignment used; warn (:class:`PolicyWarning`)
+    about the required ones, or raise ``ValueError`` with ``strict=True``. The message names
+    each rule and, when no layer was in a block, says how to name the blocks."""
+    used = {a.rule for a in assignments}
+    unused = [i for i in range(len(policy.rules)) if i not in used]
+    missing = [policy.rules[i] for i in unused if policy.rules[i].required]
+    if missing:
+        names = ", ".join(repr(r.label()) for r in missing)
+        msg = f"policy {policy.name}: rules matched no layer: {names}"
+        if any(r.depth or r.outside_blocks for r in missing) and not any(
+                a.block is not None for a in assignments):
+            msg += ("; no layer path has a block index (e.g. blocks_3/..., Block_3/..., "
+                    "layers/3/...): pass block='<the block module name>' to quantize_model "
+                    "or explain")
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, PolicyWarning, stacklevel=stacklevel + 1)
+    return unused
+
+
 def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
-            strict: bool = False) -> ExplainTable:
+            strict: bool = False, block: str | None = None) -> ExplainTable:
     """Resolve ``policy`` over ``layers`` and return the assignments (print it for a table).
 
     ``layers``: an iterable of paths or ``(path, kind)`` pairs, or a model (a Flax NNX module,
     or a Linen params pytree) whose linear layers are found by ``fp4lab.flax.linear_layers``.
-    ``num_blocks`` defaults to one more than the largest block index found in the paths.
+    ``num_blocks`` defaults to one more than the largest block index found in the paths;
+    ``block`` names the block modules when the default pattern does not find them
+    (:func:`block_pattern_for`). ``strict=True``: a required rule that matched nothing is an
+    error (otherwise it is listed as UNUSED).
     """
+    if block is not None:
+        policy = policy.with_block(block)
     if not isinstance(layers, (list, tuple)) or (layers and not isinstance(
             layers[0], (str, tuple))):
         from fp4lab.flax import linear_layers
@@ -172,9 +262,8 @@ def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
     rows = [policy.assign(p, k, num_blocks) for p, k in pairs]
     used = {a.rule for a in rows}
     unused = [i for i in range(len(policy.rules)) if i not in used]
-    if strict and unused:
-        names = ", ".join(policy.rules[i].label() for i in unused)
-        raise ValueError(f"policy {policy.name}: rules matched no layer: {names}")
+    if strict:
+        check_unused(policy, rows, strict=True)
     return ExplainTable(rows, policy, unused)
 
 
@@ -192,20 +281,32 @@ def nemotron3(default: str | Recipe = "nvfp4", *, mamba_out: str | Recipe | None
     """Nemotron 3 Super's assignment: NVFP4 by default; embeddings, output head and MTP
     layers, attention projections, latent projections and the last 15 % of blocks in BF16;
     Mamba output projections in MXFP8 (NVFP4 underflowed there). ``mamba_out=None`` or
-    ``bf16_tail=0`` give the ablations without those rules."""
-    rules = [Rule(name="embeddings/head/MTP", recipe="bf16",
-                  pattern=r"(?:.*/)?(?:embed\w*|lm_head|head|output|unembed\w*|mtp\w*)(?:/.*)?")]
+    ``bf16_tail=0`` give the ablations without those rules.
+
+    Layers are recognised by name in any case (``embed``, ``lm_head``, ``head``, ``output``,
+    ``mtp``; any path element containing ``attn``/``attention``, as Linen's
+    ``SelfAttention_0`` and ``MultiHeadDotProductAttention_0`` do) and by structure: every
+    layer in no block (an auto-named ``Dense_0`` head after ``Block_0 ... Block_7``) is an
+    embedding, head or MTP layer and stays in BF16."""
+    rules = [Rule(name="outside the blocks (embeddings, head, MTP)", recipe="bf16",
+                  outside_blocks=True),
+             Rule(name="embeddings/head/MTP by name", recipe="bf16", required=False,
+                  pattern=r"(?i)(?:.*/)?(?:embed\w*|lm_head|head|output|unembed\w*|mtp\w*|"
+                          r"logits?)(?:_\d+)?(?:/.*)?")]
     if bf16_tail:
         rules.append(Rule(name=f"last {bf16_tail:.0%} of blocks", recipe="bf16",
                           depth=Depth(last_fraction=bf16_tail)))
     rules += [
-        Rule(name="attention projections", recipe="bf16",
-             pattern=r".*(?:attn|attention)\w*/.*"),
-        Rule(name="latent projections", recipe="bf16", pattern=r".*latent\w*.*"),
+        # a path element naming attention that is not itself a block (AttnBlock_3 is one)
+        Rule(name="attention projections", recipe="bf16", required=False,
+             pattern=r"(?i)(?:.*/)?(?![^/]*(?:block|layer)s?[_.]?\d*/)[^/]*(?:attn|attention)"
+                     r"[^/]*/.*"),
+        Rule(name="latent projections", recipe="bf16", required=False,
+             pattern=r"(?i).*latent\w*.*"),
     ]
     if mamba_out is not None:
-        rules.append(Rule(name="mamba out_proj", recipe=mamba_out,
-                          pattern=r".*(?:mamba|ssm|mixer)\w*/out_proj\w*"))
+        rules.append(Rule(name="mamba out_proj", recipe=mamba_out, required=False,
+                          pattern=r"(?i).*(?:mamba|ssm|mixer)\w*/out_proj\w*"))
     return PrecisionPolicy(rules=tuple(rules), default=default, name="nemotron3")
 
 
@@ -252,7 +353,8 @@ def policy_to_dict(policy: PrecisionPolicy) -> dict:
     return {"name": policy.name, "default": recipe_name(policy.default),
             "block_pattern": policy.block_pattern,
             "rules": [{"recipe": recipe_name(r.recipe), "pattern": r.pattern, "kind": r.kind,
-                       "name": r.name,
+                       "name": r.name, "outside_blocks": r.outside_blocks,
+                       "required": r.required,
                        "depth": dataclasses.asdict(r.depth) if r.depth else None}
                       for r in policy.rules]}
 
@@ -260,7 +362,8 @@ def policy_to_dict(policy: PrecisionPolicy) -> dict:
 def policy_from_dict(d: dict) -> PrecisionPolicy:
     """The inverse of :func:`policy_to_dict`."""
     rules = tuple(Rule(recipe=r["recipe"], pattern=r.get("pattern", ".*"), kind=r.get("kind"),
-                       name=r.get("name", ""),
+                       name=r.get("name", ""), outside_blocks=r.get("outside_blocks", False),
+                       required=r.get("required", True),
                        depth=Depth(**r["depth"]) if r.get("depth") else None)
                   for r in d.get("rules", ()))
     return PrecisionPolicy(rules=rules, default=d.get("default", "bf16"),

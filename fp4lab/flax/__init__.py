@@ -42,7 +42,7 @@ from fp4lab.flax import linen as _linen
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
 from fp4lab.flax.nnx import QLinear, QLinearGeneral, QuantDot, QuantEinsum
-from fp4lab.policy import PrecisionPolicy, get_policy
+from fp4lab.policy import PrecisionPolicy, check_unused, get_policy
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "quantize_model", "linear_layers"]
@@ -59,27 +59,39 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
 
 
 def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int | None = None,
-                   seed: int = 0, backend: str = "auto"):
+                   seed: int = 0, backend: str = "auto", strict: bool = False,
+                   block: str | None = None):
     """Apply ``policy`` to a model written without fp4lab (see module docstring).
 
     NNX: installs the quantized hook in every governed layer, in place, and returns the model;
     each layer's SR stream is seeded from ``seed`` and its path (stable across processes).
     Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``).
-    ``backend``: which implementation quantizes (:mod:`fp4lab.backend`)."""
+    ``backend``: which implementation quantizes (:mod:`fp4lab.backend`).
+
+    A required rule that matches no layer is a :class:`~fp4lab.policy.PolicyWarning` naming
+    the rule (NNX: now; Linen: at the first ``apply``), an error with ``strict=True``.
+    ``block``: the name of the block modules when the default pattern does not find them
+    (``block="Stage"`` for ``Stage_0``, ``Stage_1``, ...; see
+    :func:`~fp4lab.policy.block_pattern_for`)."""
     policy = get_policy(policy)
+    if block is not None:
+        policy = policy.with_block(block)
     if isinstance(model, nn.Module):
-        return QuantizedLinen(model, policy, num_blocks, backend)
+        return QuantizedLinen(model, policy, num_blocks, backend, strict)
     if not isinstance(model, flax_nnx.Module):
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
     num_blocks = num_blocks or policy.infer_num_blocks(p for p, _ in linear_layers(model))
+    assignments = []
     for path, m in list(flax_nnx.iter_modules(model)):
         if type(m) not in _nnx.HOOKS:
             continue
         kind, hook, op = _nnx.HOOKS[type(m)]
         name = "/".join(map(str, path))
         layer_seed = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
+        assignments.append(a := policy.assign(name, kind, num_blocks))
         # nnx.data: the hook was a static attribute (a function); the op carries rng state
-        setattr(m, hook, flax_nnx.data(op(policy.recipe_for(name, kind, num_blocks),
-                                          seed=layer_seed, backend=backend)))
+        setattr(m, hook, flax_nnx.data(op(a.recipe, seed=layer_seed, backend=backend)))
+    if assignments:
+        check_unused(policy, assignments, strict=strict, stacklevel=2)
     return model

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp4lab.policy import PrecisionPolicy, explain
+from fp4lab.policy import PrecisionPolicy, check_unused, explain
 from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
@@ -48,10 +48,11 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
     the duration of one call (Linen modules are frozen dataclasses; the hook is restored)."""
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    **unused):
+                    out_sharding=None):
         return qdot_general(lhs, rhs, dimension_numbers, recipe,
                             key=_linen_key(module, recipe), probe=_linen_probe(module),
-                            backend=backend, preferred_element_type=preferred_element_type)
+                            backend=backend, preferred_element_type=preferred_element_type,
+                            out_sharding=out_sharding)
 
     saved = module.dot_general, module.dot_general_cls
     object.__setattr__(module, "dot_general", dot_general)
@@ -132,12 +133,18 @@ KINDS = {cls: kind for cls, (kind, _) in HANDLERS.items()}
 class QuantizedLinen:
     """A Linen model whose ``Dense``/``DenseGeneral``/``Einsum`` calls follow a policy;
     ``init``/``apply`` as the model's. ``num_blocks`` feeds depth rules (default: inferred
-    from the parameter paths)."""
+    from the parameter paths).
+
+    The first ``apply`` checks the policy against the layers it met: a required rule that
+    matched none of them is a :class:`~fp4lab.policy.PolicyWarning` (an error with
+    ``strict=True``, at every apply until fixed)."""
 
     model: nn.Module
     policy: PrecisionPolicy
     num_blocks: int | None = None
     backend: str = "auto"  # fp4lab.backend: which implementation quantizes
+    strict: bool = False
+    _checked: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def init(self, *args, **kwargs):
         return self.model.init(*args, **kwargs)
@@ -148,17 +155,23 @@ class QuantizedLinen:
 
     def apply(self, variables, *args, **kwargs):
         num_blocks = self._num_blocks(variables)
+        met: dict[str, object] = {}
 
         def intercept(next_fun, args, kwargs, context):
             m = context.module
             kind, call = HANDLERS.get(type(m), (None, None))
             if context.method_name != "__call__" or kind is None or m.is_initializing():
                 return next_fun(*args, **kwargs)
-            recipe = self.policy.recipe_for("/".join(m.scope.path), kind, num_blocks)
-            return call(m, recipe, self.backend, next_fun, args, kwargs)
+            path = "/".join(m.scope.path)
+            met[path] = a = self.policy.assign(path, kind, num_blocks)
+            return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
         with nn.intercept_methods(intercept):
-            return self.model.apply(variables, *args, **kwargs)
+            out = self.model.apply(variables, *args, **kwargs)
+        if met and (self.strict or not self._checked):
+            self._checked = True
+            check_unused(self.policy, list(met.values()), strict=self.strict, stacklevel=2)
+        return out
 
     def layers(self, variables, *args, **kwargs) -> list[tuple[str, str]]:
         """``(path, kind)`` of every layer the policy governs, in call order, found by
@@ -191,10 +204,12 @@ class QuantizedLinen:
             d["gemm"] = probe_zeros()
         return out
 
-    def explain(self, variables, *args, strict: bool = False, **kwargs):
-        """:func:`~fp4lab.policy.explain` over :meth:`layers` (true paths and kinds)."""
+    def explain(self, variables, *args, strict: bool | None = None, **kwargs):
+        """:func:`~fp4lab.policy.explain` over :meth:`layers` (true paths and kinds);
+        ``strict`` defaults to the wrapper's."""
         return explain(self.policy, self.layers(variables, *args, **kwargs),
-                       num_blocks=self._num_blocks(variables), strict=strict)
+                       num_blocks=self._num_blocks(variables),
+                       strict=self.strict if strict is None else strict)
 
 
 

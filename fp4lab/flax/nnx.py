@@ -31,18 +31,20 @@ class QuantDot(nnx.Module):
         return self.rngs.quant() if self.recipe.needs_key else None
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-                 preferred_element_type=None, **unused):
+                 preferred_element_type=None, out_sharding=None):
         return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
-                            backend=self.backend,
-                            preferred_element_type=preferred_element_type)
+                            backend=self.backend, preferred_element_type=preferred_element_type,
+                            out_sharding=out_sharding)
 
 
 class QuantEinsum(QuantDot):
     """A drop-in ``einsum_op`` for ``nnx.Einsum`` (the input plays X, the kernel W)."""
 
-    def __call__(self, spec, a, b, precision=None, preferred_element_type=None, **unused):
+    def __call__(self, spec, a, b, precision=None, preferred_element_type=None,
+                 out_sharding=None):
         return qeinsum(spec, a, b, self.recipe, key=self._key(), backend=self.backend,
-                       preferred_element_type=preferred_element_type)
+                       preferred_element_type=preferred_element_type,
+                       out_sharding=out_sharding)
 
 
 class QLinear(nnx.Linear):
