@@ -35,7 +35,7 @@ from jax import lax
 from fp4lab import backend as _backend
 from fp4lab.hadamard import rht
 from fp4lab.metrics import METRIC_NAMES, quant_metrics
-from fp4lab.quantize import dequantize, fake_quant, quantize
+from fp4lab.quantize import check_key, dequantize, fake_quant, quantize
 from fp4lab.recipe import OperandQuant, Recipe, get_recipe
 from fp4lab.scaling import NVFP4Scale
 
@@ -269,7 +269,7 @@ def _check_operand(name, x):
 
 def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
                  probe=None, backend: str = "auto", precision=None,
-                 preferred_element_type=None, **unused):
+                 preferred_element_type=None, out_sharding=None):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
     Args:
@@ -284,16 +284,19 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
         rounding kernels other (equally unbiased) random bits.
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
-    Extra keyword arguments of ``lax.dot_general`` (``out_sharding``) are accepted so this can
-    be passed as a Flax ``dot_general``; the output follows the inputs' sharding under jit.
+      out_sharding: as ``lax.dot_general`` (Flax layers pass it): the output is constrained
+        to it when given; by default it follows the inputs' sharding under jit.
+    Any other keyword is an error (a misspelt ``backend=`` must not pass silently).
     """
-    del precision, unused
+    del precision
     recipe = get_recipe(recipe)
     _check_operand("lhs", lhs)
     _check_operand("rhs", rhs)
     if recipe.needs_key and key is None:
         raise ValueError(f"recipe {recipe.name} uses stochastic rounding: pass key=... (a "
                          "jax.random key, or an rng stream in Flax)")
+    if key is not None:
+        check_key(key)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
     if probe is not None and jnp.shape(probe) != (len(OPERANDS), len(METRIC_NAMES)):
@@ -301,8 +304,8 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          f"(shape {(len(OPERANDS), len(METRIC_NAMES))})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
-    return _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key,
-                 probe)
+    y = _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key, probe)
+    return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str]:
@@ -326,13 +329,15 @@ def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
-            backend: str = "auto", preferred_element_type=None, precision=None, **unused):
+            backend: str = "auto", preferred_element_type=None, precision=None,
+            out_sharding=None):
     """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
 
     Letters in both inputs and the output are batch dims, letters in both inputs only are
     contracted; ellipses stand for the same dims in every term (no size-1 broadcasting).
-    ``precision`` and extra keywords are accepted so this can serve as a Flax ``einsum_op``."""
-    del precision, unused
+    ``precision`` and ``out_sharding`` are accepted so this can serve as a Flax
+    ``einsum_op``; any other keyword is an error."""
+    del precision
     sa, sb, out = _expand_ellipses(spec, jnp.ndim(a), jnp.ndim(b))
     if len(sa) != jnp.ndim(a) or len(sb) != jnp.ndim(b):
         raise ValueError(f"qeinsum spec {spec!r} does not match shapes {jnp.shape(a)} and "
@@ -349,4 +354,5 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     y = qdot_general(a, b, dn, recipe, key=key, probe=probe, backend=backend,
                      preferred_element_type=preferred_element_type)
     produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
-    return jnp.transpose(y, [produced.index(c) for c in out])
+    y = jnp.transpose(y, [produced.index(c) for c in out])
+    return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -42,7 +43,7 @@ from fp4lab import backend as _backend
 from fp4lab import rounding as rnd
 from fp4lab.formats import Format, get_format
 
-__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "validate"]
+__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "validate", "check_key"]
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -91,7 +92,7 @@ class _Geometry(NamedTuple):
     def padded(self) -> tuple[int, ...]:
         out = list(self.shape)
         for a, b in zip(self.axes, self.block):
-            out[a] = -(-out[a] // b) * b
+            out[a] = -(-out[a] // b) * b if b else 0  # (a per-tensor block of an empty axis)
         return tuple(out)
 
     @property
@@ -100,7 +101,7 @@ class _Geometry(NamedTuple):
         for i, n in enumerate(self.padded):
             if i in self.axes:
                 b = self.block[self.axes.index(i)]
-                out += [n // b, b]
+                out += [n // b if b else 1, b]  # (one empty per-tensor block)
             else:
                 out.append(n)
         return tuple(out)
@@ -140,7 +141,7 @@ def _geometry(shape, fmt: Format, axis, tile) -> tuple[_Geometry, int]:
     if tile is None:
         if fmt.granularity == "channel":
             size = shape[ax] + (shape[ax] % 2 if fmt.element.packed else 0)
-            return _Geometry(shape, (ax,), (max(size, 1),)), ax
+            return _Geometry(shape, (ax,), (max(size, 2 if fmt.element.packed else 1),)), ax
         return _Geometry(shape, (ax,), (fmt.block,)), ax
     if fmt.granularity != "block":
         raise ValueError(f"tile={tile} does not fit format {fmt.name}: it has "
@@ -188,6 +189,21 @@ def _scale_from_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
 # --------------------------------------------------------------------------- validation
 
 
+_EMPTY = "an empty array is quantized by XLA (its result is empty)"
+
+
+def check_key(key, what: str = "key"):
+    """Raise a clear error unless ``key`` is a JAX PRNG key (``jax.random.key(seed)``, or a
+    legacy ``jax.random.PRNGKey(seed)``: uint32 of shape (..., 2))."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
+            dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+        return key
+    raise TypeError(f"{what}={key!r} is not a PRNG key: pass jax.random.key(seed) (or "
+                    "split one); stochastic rounding draws its random bits from it")
+
+
+
 def validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global_amax=None):
     """Check arguments and return ``(x, fmt, geometry, axis)``; raise a clear error otherwise."""
     fmt = get_format(fmt)
@@ -203,6 +219,7 @@ def validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global
     if rounding == "stochastic":
         if key is None:
             raise ValueError("rounding='stochastic' needs an explicit PRNG key: key=...")
+        check_key(key)
         if fmt.is_passthrough:
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
                              f"{fmt.name}")
@@ -311,8 +328,8 @@ def quantize(
     """
     x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
-    if _backend.choose(backend, fmt, axis_from_end=ax - x.ndim, tile=tile,
-                       rounding=rounding) == "pallas":
+    if _backend.choose(backend, fmt, axis_from_end=ax - x.ndim, tile=tile, rounding=rounding,
+                       unsupported=_EMPTY if x.size == 0 else None) == "pallas":
         from pallas_kernels import quantize as kernels
 
         return kernels.quantize(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
@@ -346,7 +363,12 @@ def dequantize(q: QArray, dtype=jnp.float32, *, backend: str = "auto") -> jax.Ar
     in :func:`quantize`."""
     if not isinstance(q, QArray):
         raise TypeError(f"dequantize needs a QArray, got {type(q).__name__}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"dequantize returns values, so dtype must be floating point; got "
+                        f"{jnp.dtype(dtype)} (cast the result yourself to truncate)")
     tiled = "2D-tiled QArrays dequantize in XLA" if q.tile else None
+    if math.prod(q.shape) == 0:
+        tiled = _EMPTY
     if _backend.choose(backend, q.format, axis_from_end=q.axis - q.ndim, tile=None,
                        unsupported=tiled) == "pallas":
         from pallas_kernels import quantize as kernels
@@ -413,6 +435,8 @@ def fake_quant(
     x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
     masked = "mask_saturated needs the XLA path" if mask_saturated else None
+    if x.size == 0:
+        masked = _EMPTY
     kernel_axis = _backend.values_axis(fmt, ax - x.ndim, tile)
     if _backend.choose(backend, fmt, axis_from_end=kernel_axis, tile=tile, rounding=rounding,
                        unsupported=masked) == "pallas":

@@ -70,9 +70,10 @@ def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
     Integer max over the magnitudes' bits is exact even for subnormals (which float max on a
     flush-to-zero CPU would drop), and it propagates NaN: every NaN's magnitude bits exceed
     those of inf. The result is a float32 (NaN if any element is NaN). On XLA:CPU it is also
-    faster than a float max for block amaxes (measured 1.6x on the NVFP4 fake-quant)."""
+    faster than a float max for block amaxes (measured 1.6x on the NVFP4 fake-quant). The amax
+    of nothing (an empty tensor or axis) is 0."""
     mag = float_bits(x.astype(jnp.float32)) & 0x7FFFFFFF
-    return from_bits(jnp.max(mag, axis=axis, keepdims=keepdims))
+    return from_bits(jnp.max(mag, axis=axis, keepdims=keepdims, initial=0))  # empty: 0
 
 
 def opaque(*xs):

@@ -26,6 +26,7 @@ docs/numerics.md lists every site.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
@@ -95,16 +96,24 @@ class NoScale(ScaleScheme):
 class AbsMaxScale(ScaleScheme):
     """Current (abs-max) scaling with a float32 scale, per tensor, channel or block.
 
-    ``scale = min(fl(max_elem / amax), FLT_MAX)`` (1 when amax is 0 or inf; NaN amax gives a
-    NaN scale, poisoning the tensor as NVFP4 does; the clamp, as in TE, keeps a tiny amax from
-    giving an infinite scale and 0 * inf = NaN),
-    elements ``fl(x * scale)``; the stored scale is the decode scale ``fl(1 / scale)`` (TE's
-    ``scale_inv``), so dequantization is ``q * scale_inv``. Used by FP8 per-tensor (TE current
-    scaling), DeepSeek-V3 style 1x128 / 128x128 FP8 and symmetric INT8/INT4."""
+    ``scale = min(fl(max_elem / amax), FLT_MAX)``, elements ``fl(x * scale)`` (saturating);
+    the stored scale is the decode scale ``fl(1 / scale)`` (TE's ``scale_inv``), so
+    dequantization is ``q * scale_inv``. Used by FP8 per-tensor (TE current scaling),
+    DeepSeek-V3 style 1x128 / 128x128 FP8 and symmetric INT8/INT4.
+
+    Special amaxes, as TE's ``compute_scale_from_amax``: 0 or inf gives scale 1 (so an Inf
+    element saturates to the max and the rest quantizes at scale 1); the clamp keeps a tiny
+    amax from giving an infinite scale (and 0 * inf = NaN). A NaN amax gives scale 1 for FP8
+    elements, as TE does: the NaN elements stay NaN (the element format has one). Integers
+    have no NaN code, so there a NaN amax gives a NaN scale: the block dequantizes to NaN
+    rather than losing the NaN."""
 
     def encode(self, stat, tensor_amax, element):
         scale = jnp.minimum(rounding.div(F32(element.max), stat), FLT_MAX)
-        scale = jnp.where((stat == 0) | jnp.isinf(stat), F32(1), scale)
+        one = (stat == 0) | jnp.isinf(stat)
+        if element.has_nan:
+            one = one | jnp.isnan(stat)
+        scale = jnp.where(one, F32(1), scale)
         return rounding.div(F32(1), scale), scale
 
     def decode(self, scale, tensor_amax, element):
@@ -243,9 +252,14 @@ class GGMLQ4_0Scale(ScaleScheme):
     scale_bits = 16
 
     def statistic(self, xb, axes):
-        (axis,) = axes
-        idx = jnp.argmax(jnp.abs(xb), axis=axis, keepdims=True)  # first max; NaN wins
-        return jnp.take_along_axis(xb, idx, axis=axis)
+        """The value of largest magnitude in each block (the first in row-major order on
+        ties, for 2D tiles too; a NaN wins)."""
+        last = tuple(range(-len(axes), 0))
+        flat = jnp.moveaxis(xb, axes, last)
+        lead = flat.shape[:-len(axes)]
+        flat = flat.reshape(lead + (math.prod(flat.shape[len(lead):]),))
+        idx = jnp.argmax(jnp.abs(flat), axis=-1, keepdims=True)
+        return jnp.expand_dims(jnp.take_along_axis(flat, idx, axis=-1)[..., 0], axes)
 
     def encode(self, stat, tensor_amax, element):
         d = rounding.div(stat, F32(-8))

@@ -465,12 +465,16 @@ def mx_dequantize(codes, scale_bytes, elem: str, ftz: bool = False):
 # FP8 current scaling: per tensor and per block (DeepSeek-style 1x128 / 128x128)
 # ----------------------------------------------------------------------------------------------
 
-def _current_scale(amax, max_elem, ftz):
-    """scale = min(fl(max_elem / amax), FLT_MAX); 1 when amax is 0 or inf; NaN amax -> NaN.
-    The clamp (fp4lab's choice, as TE's compute_scale_from_amax) keeps a tiny amax from giving
-    an infinite scale, which would turn zeros into 0 * inf = NaN."""
+def _current_scale(amax, max_elem, ftz, nan_gives_one=True):
+    """scale = min(fl(max_elem / amax), FLT_MAX); 1 when amax is 0 or inf, and when amax is NaN
+    (TE's compute_scale_from_amax: the NaN elements stay NaN in FP8). ``nan_gives_one=False``
+    (integers, which have no NaN code): NaN amax -> NaN scale. The clamp (as TE) keeps a tiny
+    amax from giving an infinite scale, which would turn zeros into 0 * inf = NaN."""
     scale = _min_flt_max(_div(max_elem, amax, ftz))
-    return np.where((amax == 0) | np.isinf(amax), F32(1.0), scale).astype(F32)
+    one = (amax == 0) | np.isinf(amax)
+    if nan_gives_one:
+        one = one | np.isnan(amax)
+    return np.where(one, F32(1.0), scale).astype(F32)
 
 
 def fp8_tensor_quantize(x, elem: str = "e4m3", amax=None, ftz: bool = False):
@@ -523,7 +527,7 @@ def int_quantize(x, bits: int, axis_block=None, ftz: bool = False):
     ``axis_block=None``: one scale per row of the 2D input (per-channel); scale_inv has shape
     (M, 1). ``axis_block=g``: one scale per group of g consecutive elements along the last
     axis; scale_inv has shape (M, N//g).
-    scale = fl(qmax/amax) (1 when amax is 0 or inf, NaN stays NaN);
+    scale = fl(qmax/amax) (1 when amax is 0 or inf; a NaN amax gives a NaN scale);
     q = clip(rint(fl(x*scale)), -qmax, qmax) with NaN -> 0; scale_inv = fl(1/scale).
     Returns (q int8 (M, N), scale_inv float32).
     """
@@ -531,7 +535,7 @@ def int_quantize(x, bits: int, axis_block=None, ftz: bool = False):
     qmax = _QMAX[bits]
     bs = (1, x.shape[1] if axis_block is None else int(axis_block))
     amax = _block_reduce_absmax(x, bs)
-    scale = _current_scale(amax, F32(qmax), ftz)
+    scale = _current_scale(amax, F32(qmax), ftz, nan_gives_one=False)
     y = _mul(x, _expand(scale, bs), ftz)
     with np.errstate(invalid="ignore"):
         q = np.clip(np.rint(y), -qmax, qmax)                  # np.rint = round half to even
@@ -553,47 +557,49 @@ def int_dequantize(q, scale_inv, axis_block=None, ftz: bool = False):
 GGML_BLOCK = 32
 
 
-def q4_0_quantize(x, ftz: bool = False):
+def q4_0_quantize(x, ftz: bool = False, block_shape=(1, GGML_BLOCK)):
     """GGML Q4_0: per 32-block, m = the signed value with the largest |x| (first occurrence on
     ties; NaN counts as the largest and the first NaN wins); d = fl(m / -8);
     id = fl(1/d) if d != 0 else 0 (NaN d -> NaN id);
     xi = min(15, floor(fl(fl(x*id) + 8.5))), NaN -> 8 (and clamped below at 0);
-    q = xi - 8; d stored as fp16 RNE.
+    q = xi - 8; d stored as fp16 RNE. ``block_shape`` (b0, b1): 2D tiles instead, with "first"
+    in row-major order within the tile (fp4lab's ``tile=``; GGML itself has 1D blocks only).
 
-    Returns (q int8 (M, N) in [-8, 7], d_bits uint16 (M, N//32)).
+    Returns (q int8 (M, N) in [-8, 7], d_bits uint16 (M//b0, N//b1)).
     """
     x = _f32_in(_check_2d(x), ftz)
-    m_rows, n = x.shape
-    xb = x.reshape(m_rows, n // GGML_BLOCK, GGML_BLOCK)
+    b0, b1 = _as_2d_block_shape(block_shape)
+    tiles = _blocked(x, block_shape).transpose(0, 2, 1, 3)     # (M/b0, N/b1, b0, b1)
+    flat = tiles.reshape(tiles.shape[0], tiles.shape[1], b0 * b1)
     # np.argmax returns the first maximal index and treats NaN as maximal (first NaN wins).
-    idx = np.argmax(np.abs(xb), axis=-1)
-    m = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+    idx = np.argmax(np.abs(flat), axis=-1)
+    m = np.take_along_axis(flat, idx[..., None], axis=-1)[..., 0]
     d = _div(m, F32(-8.0), ftz)
     with np.errstate(divide="ignore"):
         inv = _div(F32(1.0), d, ftz)
     idd = np.where(d != 0, inv, F32(0.0)).astype(F32)         # NaN != 0 -> NaN id
-    t = _add(_mul(x, _expand(idd, (1, GGML_BLOCK)), ftz), F32(8.5), ftz)
+    t = _add(_mul(x, _expand(idd, block_shape), ftz), F32(8.5), ftz)
     with np.errstate(invalid="ignore"):
         xi = np.clip(np.floor(t), 0, 15)
     xi = np.where(np.isnan(xi), 8, xi).astype(np.int64)
     return (xi - 8).astype(np.int8), fp16_bits(d, ftz)
 
 
-def q4_0_dequantize(q, d_bits, ftz: bool = False):
+def q4_0_dequantize(q, d_bits, ftz: bool = False, block_shape=(1, GGML_BLOCK)):
     """q * float32(fp16(d)) (one fl multiply)."""
     d = fp16_value(d_bits, ftz)
-    return _mul(np.asarray(q).astype(F32), _expand(d, (1, GGML_BLOCK)), ftz)
+    return _mul(np.asarray(q).astype(F32), _expand(d, block_shape), ftz)
 
 
-def q8_0_quantize(x, ftz: bool = False):
+def q8_0_quantize(x, ftz: bool = False, block_shape=(1, GGML_BLOCK)):
     """GGML Q8_0: per 32-block, amax = max|x| (NaN-propagating); d = fl(amax/127);
     id = fl(1/d) if d != 0 else 0; q = round-half-away-from-zero(fl(x*id)) clipped to
-    [-127, 127], NaN -> 0; d stored as fp16 RNE.
+    [-127, 127], NaN -> 0; d stored as fp16 RNE. ``block_shape``: 2D tiles instead.
 
-    Returns (q int8 (M, N), d_bits uint16 (M, N//32)).
+    Returns (q int8 (M, N), d_bits uint16 (M//b0, N//b1)).
     """
     x = _f32_in(_check_2d(x), ftz)
-    bs = (1, GGML_BLOCK)
+    bs = _as_2d_block_shape(block_shape)
     amax = _block_reduce_absmax(x, bs)
     d = _div(amax, F32(127.0), ftz)
     with np.errstate(divide="ignore"):
@@ -609,10 +615,10 @@ def q8_0_quantize(x, ftz: bool = False):
     return q, fp16_bits(d, ftz)
 
 
-def q8_0_dequantize(q, d_bits, ftz: bool = False):
+def q8_0_dequantize(q, d_bits, ftz: bool = False, block_shape=(1, GGML_BLOCK)):
     """q * float32(fp16(d)) (one fl multiply)."""
     d = fp16_value(d_bits, ftz)
-    return _mul(np.asarray(q).astype(F32), _expand(d, (1, GGML_BLOCK)), ftz)
+    return _mul(np.asarray(q).astype(F32), _expand(d, block_shape), ftz)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -425,12 +425,15 @@ def test_fp8_tensor_quantize():
         np.testing.assert_array_equal(b, want)
         y = ref.fp8_tensor_dequantize(b, scale_inv, elem)
         np.testing.assert_array_equal(y, b.view(mdt).astype(F32) * scale_inv)
-    # amax 0 or inf -> scale 1; NaN amax -> NaN scale and NaN bytes (0x7F).
+    # amax 0, inf or NaN -> scale 1 (TE's compute_scale_from_amax): inf saturates, NaN stays
     assert ref.fp8_tensor_quantize(np.zeros((2, 2), F32), "e4m3")[1] == 1
     b, s, si = ref.fp8_tensor_quantize(f32(INF, 1.0, -2.0).reshape(1, 3), "e4m3")
     assert s == 1 and b.tolist() == [[0x7E, 0x38, 0xC0]]
     b, s, si = ref.fp8_tensor_quantize(f32(NAN, 1.0).reshape(1, 2), "e4m3")
-    assert np.isnan(s) and np.isnan(si) and (b == 0x7F).all()
+    assert s == 1 and si == 1 and b.tolist() == [[0x7F, 0x38]]
+    # integers have no NaN: a NaN amax gives a NaN scale (the channel dequantizes to NaN)
+    q, si = ref.int_quantize(f32(NAN, 1.0).reshape(1, 2), 8)
+    assert np.isnan(si).all() and q.tolist() == [[0, 0]]
     # Explicit amax.
     assert ref.fp8_tensor_quantize(x, "e4m3", amax=2.0)[1] == 224
 

@@ -204,6 +204,18 @@ def test_bad_inputs():
         qeinsum("...abc,df->...f", x, w)
     with pytest.raises(ValueError, match="summed alone"):
         qeinsum("md,df->m", x, w)
+    # misspelt keywords are errors, not silently ignored
+    for bad in ({"bakend": "xla"}, {"probes": None}, {"recipie": "nvfp4"}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(bad))}'"):
+            qdot_general(x, w, DN, "bf16", **bad)
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            qeinsum("md,df->mf", x, w, "bf16", **bad)
+    with pytest.raises(TypeError, match="key=1 is not a PRNG key"):
+        qdot_general(x, w, DN, "nvfp4", key=1)
+    # what Flax layers pass is accepted
+    y = qdot_general(x, w, DN, "bf16", precision=None, preferred_element_type=jnp.float32,
+                     out_sharding=None)
+    assert y.dtype == jnp.float32
 
 
 def test_qeinsum_ellipses_name_the_same_dims_in_every_term():

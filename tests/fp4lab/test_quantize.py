@@ -262,14 +262,43 @@ def test_fp8_per_tensor(fmt, elem, name):
     np.testing.assert_array_equal(codes_of(q), codes)
 
 
-def test_fp8_per_tensor_special_values():
-    x = wide_range(12, (4, 16), -3, 3)
-    for v in (INF, NAN):
+@pytest.mark.parametrize("fmt,elem", [("fp8_e4m3", "e4m3"), ("fp8_e5m2", "e5m2"),
+                                      ("fp8_block128", "e4m3")])
+def test_fp8_inf_and_nan_follow_te_current_scaling(fmt, elem):
+    """TE's compute_scale_from_amax: an Inf or NaN amax gives scale 1; Inf saturates to the
+    element max (satfinite), NaN stays NaN, every other value quantizes at scale 1."""
+    x = wide_range(12, (4, 128), -3, 3)
+    for v in (INF, -INF, NAN):
         xs = x.copy()
         xs[1, 1] = v
-        q = fp4lab.quantize(jnp.asarray(xs), "fp8_e4m3")
-        codes, _, scale_inv = ref.fp8_tensor_quantize(xs, "e4m3")
-        same_bits(fp4lab.dequantize(q), ref.fp8_tensor_dequantize(codes, scale_inv, "e4m3"))
+        q = fp4lab.quantize(jnp.asarray(xs), fmt)
+        if fmt == "fp8_block128":
+            codes, _, scale_inv = ref.fp8_block_quantize(xs, (1, 128), elem)
+            deq = ref.fp8_block_dequantize(codes, scale_inv, (1, 128), elem)
+            assert np.asarray(q.scale)[1, 0] == 1  # the block holding the special value
+        else:
+            codes, _, scale_inv = ref.fp8_tensor_quantize(xs, elem)
+            deq = ref.fp8_tensor_dequantize(codes, scale_inv, elem)
+            assert float(q.scale) == 1
+        np.testing.assert_array_equal(codes_of(q), codes)
+        y = np.asarray(fp4lab.dequantize(q))
+        same_bits(y, deq)
+        if np.isnan(v):
+            assert np.isnan(y[1, 1]) and np.isnan(y).sum() == 1  # the NaN stays, alone
+        else:
+            assert y[1, 1] == np.sign(v) * fp4lab.ELEMENTS[elem].max
+
+
+def test_int_nan_poisons_its_channel_inf_saturates():
+    x = wide_range(12, (3, 16), -3, 3)
+    x[0, 2], x[1, 3] = NAN, INF
+    y = np.asarray(fp4lab.fake_quant(jnp.asarray(x), "int8"))
+    assert np.isnan(y[0]).all() and not np.isnan(y[1:]).any()  # no NaN code: the scale is NaN
+    assert y[1, 3] == 127  # scale 1, saturated
+
+
+def test_fp8_per_tensor_special_values():
+    x = wide_range(12, (4, 16), -3, 3)
     tiny = np.full((2, 4), F32(1e-30))  # max/amax overflows: the scale clamps to FLT_MAX
     tiny[0, 0] = 0
     q = fp4lab.quantize(jnp.asarray(tiny), "fp8_e4m3")
@@ -319,6 +348,40 @@ def test_ggml(fmt):
     np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint16), d_bits)
     same_bits(fp4lab.dequantize(q), dequant(qi, d_bits))
     check_fake_quant_matches(jnp.asarray(x), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int4_q4_0", "int8_q8_0"])
+def test_ggml_formats_in_2d_tiles(fmt):
+    """``tile=(32, 32)``: one scale per tile (Q4_0: the first largest value in row-major
+    order), against the oracle's tiled variant; padding included."""
+    x = wide_range(22, (64, 96), -6, 6)
+    x[0, 5], x[7, 3] = 5e3, -5e3  # a tie on |max| in the first tile: row-major first wins
+    quant, dequant = {"int4_q4_0": (ref.q4_0_quantize, ref.q4_0_dequantize),
+                      "int8_q8_0": (ref.q8_0_quantize, ref.q8_0_dequantize)}[fmt]
+    q = fp4lab.quantize(jnp.asarray(x), fmt, tile=(32, 32))
+    qi, d_bits = quant(x, block_shape=(32, 32))
+    codes = codes_of(q)
+    if fmt == "int4_q4_0":
+        codes = ((codes.astype(np.int16) ^ 8) - 8).astype(np.int8)
+        assert float(q.scale[0, 0]) == np.float16(5e3 / -8)
+    np.testing.assert_array_equal(codes.view(np.int8), qi)
+    np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint16), d_bits)
+    same_bits(fp4lab.dequantize(q), dequant(qi, d_bits, block_shape=(32, 32)))
+    check_fake_quant_matches(jnp.asarray(x), fmt, tile=(32, 32))
+    y = fp4lab.fake_quant(jnp.asarray(x[:50, :70]), fmt, tile=(32, 32))  # padded tiles
+    assert y.shape == (50, 70) and np.isfinite(np.asarray(y)).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0), (0,)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "mxfp4", "fp8_e4m3", "fp8_block128", "int8",
+                                 "int4", "int4_q4_0", "int8_q8_0", "bf16"])
+def test_empty_arrays_give_empty_results(fmt, shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    q = fp4lab.quantize(x, fmt)
+    assert q.shape == shape and fp4lab.dequantize(q).shape == shape
+    assert fp4lab.fake_quant(x, fmt).shape == shape
+    m = fp4lab.quant_metrics(x, fmt)
+    assert float(m["underflow"]) == float(m["saturation"]) == 0.0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
@@ -514,3 +577,10 @@ def test_bad_inputs_raise_clear_errors():
         fp4lab.quantize(x, "bf16", rounding="stochastic", key=jax.random.key(0))
     with pytest.raises(TypeError, match="QArray"):
         fp4lab.dequantize(x)
+    with pytest.raises(TypeError, match="dtype must be floating point; got int8"):
+        fp4lab.dequantize(fp4lab.quantize(x, "nvfp4"), jnp.int8)
+    with pytest.raises(TypeError, match=r"key=1 is not a PRNG key: pass jax.random.key"):
+        fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=1)
+    with pytest.raises(TypeError, match=r"key=.* is not a PRNG key"):
+        fp4lab.fake_quant(x, "mxfp4", rounding="stochastic", key=jnp.ones(3))
+    fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.PRNGKey(0))  # legacy
