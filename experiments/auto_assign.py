@@ -111,18 +111,25 @@ def recommend(config, workdir: str | Path, *, ladder=("nvfp4", "mxfp8", "bf16"),
 
 
 def main(argv=None):
-    from experiments.configs import load_config
+    from experiments.configs import describe_keys, load_config
 
-    ap = argparse.ArgumentParser(description="Recommend a per-layer precision policy from "
-                                             "short probe runs.")
+    ap = argparse.ArgumentParser(
+        description="Recommend a per-layer precision policy from short probe runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (override with key=value) and their defaults in "
+               f"configs/default.py:\n{describe_keys(load_config('default'))}")
     ap.add_argument("--config", default="default")
     ap.add_argument("--workdir", default="results/auto")
     ap.add_argument("--out", default=None, help="policy JSON (default: <workdir>/policy.json)")
-    ap.add_argument("--ladder", default="nvfp4,mxfp8,bf16")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--max-underflow", type=float, default=0.05)
-    ap.add_argument("--max-mse", type=float, default=1e-4)
-    ap.add_argument("--max-rel-mse", type=float, default=None)
+    ap.add_argument("--ladder", default="nvfp4,mxfp8,bf16",
+                    help="recipes from cheapest to safest (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=30, help="probe-run steps (default: 30)")
+    ap.add_argument("--max-underflow", type=float, default=0.05,
+                    help="largest underflow an operand may have (default: 0.05)")
+    ap.add_argument("--max-mse", type=float, default=1e-4,
+                    help="largest absolute MSE (default: 1e-4, TE's switch)")
+    ap.add_argument("--max-rel-mse", type=float, default=None,
+                    help="largest relative MSE (default: not checked)")
     ap.add_argument("--operands", default=None, help="comma list of the GEMM operands that "
                     f"must pass (default: all of {','.join(OPERANDS)})")
     ap.add_argument("--quiet", action="store_true")

@@ -3,7 +3,9 @@
 The corpus is every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (site-packages and
 dist-packages excluded), read in sorted path order, so every machine with the same Python has
 the same corpus without a download (CPython 3.12.1: 2,231 files, about 37.7 MB; other versions
-differ slightly). Any files or folders a user names replace it.
+differ slightly). Any files or folders a user names replace it: every text file under a
+folder (no NUL byte in it; hidden files and ``__pycache__`` left out), or only those with the
+suffixes in ``data.suffixes``.
 
 Files are split into train and validation by a stable hash of their relative path (so adding a
 file never moves another between splits); each split is one ``uint8`` array of the files'
@@ -36,13 +38,26 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
+def is_text(path: Path) -> bool:
+    """A file is text when its first 8 KiB hold no NUL byte (NUL separates the documents)."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
 def _expand(paths, suffixes) -> list[tuple[Path, str]]:
-    """``(file, name-for-the-split-hash)`` for every file under ``paths``, sorted."""
+    """``(file, name-for-the-split-hash)`` for every file under ``paths``, sorted: in folders,
+    the text files (:func:`is_text`) whose suffix is in ``suffixes`` (any suffix if empty),
+    leaving out hidden files and folders and ``__pycache__``."""
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and (
-                not suffixes or f.suffix in suffixes))
+            def wanted(f: Path) -> bool:
+                parts = f.relative_to(p).parts
+                return (f.is_file() and not any(x.startswith(".") or x == "__pycache__"
+                                                for x in parts)
+                        and (not suffixes or f.suffix in suffixes) and is_text(f))
+
+            files = sorted(f for f in p.rglob("*") if wanted(f))
             out += [(f, str(f.relative_to(p))) for f in files]
         elif p.is_file():
             out.append((p, p.name))
@@ -87,10 +102,11 @@ class TextData:
                 for i in range(n)]
 
 
-def load_text(paths=None, *, val_fraction: float = 0.1, suffixes=(".py",),
+def load_text(paths=None, *, val_fraction: float = 0.1, suffixes=(),
               min_tokens: int = 0) -> TextData:
-    """The corpus: ``paths`` (files and folders; folders contribute files with ``suffixes``,
-    all files if empty) or the standard library's sources."""
+    """The corpus: ``paths`` (files and folders; a folder contributes every text file under
+    it, or those whose suffix is in ``suffixes``, e.g. ``(".txt", ".md")``) or, without
+    paths, the standard library's ``.py`` sources."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
     if paths:

@@ -24,11 +24,13 @@ import io
 import json
 import math
 import re
+import sys
 import traceback
 from pathlib import Path
 
 import numpy as np
 
+from experiments.configs import config_changes, format_changes
 from experiments.train import KIND_ORDER, layer_order, read_jsonl, train, write_json_atomic
 
 __all__ = ["run_sweep", "results_table", "write_reports", "main"]
@@ -70,14 +72,10 @@ def _check_same_config(c, workdir: Path):
     stored = workdir / "config.json"
     if not stored.exists():
         return
-    old = json.loads(stored.read_text())
-    new = json.loads(json.dumps(c.to_dict(), sort_keys=True, default=float))
-    differ = sorted(f"{s}.{k}" for s in new if isinstance(new[s], dict)
-                    for k in new[s] if old.get(s, {}).get(k) != new[s][k])
-    differ += sorted(k for k in new if not isinstance(new[k], dict) and old.get(k) != new[k])
+    differ = config_changes(json.loads(stored.read_text()), c.to_dict())
     if differ:
-        raise ValueError(f"{workdir} holds a run trained with another config (differs in "
-                         f"{', '.join(differ)}); use another --out or remove that folder")
+        raise ValueError(f"{workdir} holds a run trained with another config "
+                         f"({format_changes(differ)}); use another --out or remove that folder")
 
 
 def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
@@ -245,8 +243,13 @@ def main(argv=None):
                     "sweep.policies=\"('bf16','nvfp4')\"")
     args = ap.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    results = run_sweep(config, args.out, retry_failed=args.retry_failed,
-                        progress=not args.quiet)
+    try:
+        results = run_sweep(config, args.out, retry_failed=args.retry_failed,
+                            progress=not args.quiet)
+    except KeyboardInterrupt as e:  # TrainingInterrupted: the run in progress saved its state
+        print(f"\nsweep interrupted. {e or ''} Finished runs are kept; run the same command "
+              "again to continue the sweep.", file=sys.stderr)
+        return 130
     print(write_reports(results, Path(args.out)))
     print(f"wrote {args.out}/results.csv, results.md, loss_curves.png, underflow_heatmap.png, "
           "sqnr_heatmap.png")

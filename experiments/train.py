@@ -13,7 +13,12 @@ to ``workdir/result.json``). What it does:
   global batch and supplies its own devices' rows;
 * orbax checkpoints every ``train.ckpt_every`` steps and at the end; a rerun in the same
   workdir resumes from the latest one bit-exactly (batches and SR keys are functions of the
-  step, metrics written after the checkpoint are dropped and recomputed);
+  step, metrics written after the checkpoint are dropped and recomputed), but only with the
+  same config: a workdir holding a run with another config is refused (naming the keys that
+  differ) unless ``allow_changes`` (``--allow-changes train.steps``) names them, and then
+  ``config_changes.jsonl`` and ``result.json`` record what changed at which step;
+* Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
+  (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once);
 * ``metrics.jsonl`` (one line per step, plus ``val`` and ``probe`` lines) and TensorBoard
   event files under ``tb/``; a progress bar with loss and tokens/s;
 * a non-finite loss or gradient: the step is rejected on the device, the last good state is
@@ -36,7 +41,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +62,42 @@ from fp4lab.flax import quantize_model
 from fp4lab.metrics import METRIC_NAMES
 from fp4lab.qdot import OPERANDS
 
-__all__ = ["train", "TrainingDiverged", "TrainState", "layer_kind", "layer_order",
-           "write_json_atomic", "read_jsonl"]
+__all__ = ["train", "TrainingDiverged", "TrainingInterrupted", "TrainState", "layer_kind",
+           "layer_order", "write_json_atomic", "read_jsonl"]
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient became non-finite; the last good state was saved."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C: the run stopped after a whole step and saved a checkpoint to resume from."""
+
+
+class _StopOnInterrupt:
+    """While active, the first SIGINT (Ctrl-C) only asks the training loop to stop after the
+    current step; a second one raises KeyboardInterrupt at once. Outside the main thread
+    (where Python cannot take signals) it does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        sys.stderr.write("\nstopping after this step and saving a checkpoint "
+                         "(Ctrl-C again to abort now)\n")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 @flax.struct.dataclass
@@ -258,8 +296,31 @@ def _check(config, data: TextData, n_devices: int):
         raise ValueError(f"train.bf16_last_fraction={t.bf16_last_fraction} is not in [0, 1]")
 
 
-def train(config, workdir, *, data: TextData | None = None, progress: bool = True) -> dict:
-    """Run (or resume) one experiment in ``workdir``; returns the result dict."""
+def _check_resume(stored: Path, config, allow_changes, workdir) -> dict[str, tuple]:
+    """The config changes of a resumed run: refused unless every changed key is allowed (by
+    its dotted name or its section, e.g. ``train``)."""
+    from experiments.configs import config_changes, format_changes
+
+    if not stored.exists():
+        return {}
+    changes = config_changes(json.loads(stored.read_text()), config.to_dict())
+    allowed = set(allow_changes)
+    refused = {k: v for k, v in changes.items()
+               if k not in allowed and k.split(".")[0] not in allowed}
+    if refused:
+        raise ValueError(
+            f"{workdir} holds a run with another config ({format_changes(refused)}); resuming "
+            "it would blend two runs. Use another --workdir, remove this one, or continue "
+            f"this run with the new values: --allow-changes {','.join(refused)}")
+    return changes
+
+
+def train(config, workdir, *, data: TextData | None = None, progress: bool = True,
+          allow_changes=()) -> dict:
+    """Run (or resume) one experiment in ``workdir``; returns the result dict.
+
+    ``allow_changes``: config keys (``"train.steps"``) or sections (``"train"``) that may
+    differ from the run already in ``workdir`` when resuming it (see the module docstring)."""
     import orbax.checkpoint as ocp
     from tensorboardX import SummaryWriter
 
@@ -271,7 +332,8 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     policy = policies.get(config.precision.policy)
     model = HybridLM(model_config(config))
     if data is None:
-        data = load_text(list(d.paths) or None, val_fraction=d.val_fraction)
+        data = load_text(list(d.paths) or None, val_fraction=d.val_fraction,
+                         suffixes=tuple(d.get("suffixes", ())))
     devices = jax.devices()
     _check(config, data, len(devices))
     mesh = Mesh(np.array(devices), ("data",))
@@ -325,8 +387,13 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     out = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    start = 0
+    changes_path = out / "config_changes.jsonl"
+    if jax.process_index() == 0:  # what an interrupted save may have left behind
+        for tmp_dir in (workdir / "ckpt").glob("*orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    start, changes = 0, {}
     if ckpt.latest_step() is not None:
+        changes = _check_resume(out / "config.json", config, allow_changes, workdir)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         state = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(abstract))
         start = int(state.step)
@@ -334,9 +401,13 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         tmp = metrics_path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, metrics_path)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    else:
+        for stale in (metrics_path, changes_path):
+            stale.unlink(missing_ok=True)
     write_json_atomic(out / "config.json", config.to_dict())
+    if changes:
+        with changes_path.open("a") as f:
+            f.write(json.dumps({"step": start, "changes": changes}) + "\n")
 
     tb = SummaryWriter(str(out / "tb"))
     bar = Progress(config.name, t.steps, progress)
@@ -381,54 +452,64 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         last_log = (step_now, time.perf_counter(), False)
 
     probe_records = [r for r in read_jsonl(metrics_path) if "probes" in r]
-    try:
-        for s in range(start, t.steps):
-            model_s = qmodel if s < switch else bf16_model
-            do_probe = bool(config.probes.every) and model_s is qmodel and (
-                s % config.probes.every == 0 or s == t.steps - 1)
-            fn = step_fn(model_s, with_probes=bool(probes is not None and (
-                config.probes.fused or do_probe) and model_s is qmodel))
-            b = data.batch(config.seed, s, d.batch_size, d.seq_len)
-            state, metrics, probe_grads = fn(state, to_global(b.tokens), to_global(b.weights),
-                                             probes)
-            pending.append((s, metrics))
-            if do_probe:
-                flush(s + 1)
-                rec = {"step": s, "probes": _probe_records(jax.device_get(probe_grads))}
-                probe_records.append(rec)
-                for layer, ops in rec["probes"].items():
-                    for op, m in ops.items():
-                        for metric in ("underflow", "sqnr_db"):  # NaN: not quantized;
-                            if np.isfinite(m[metric]):  # inf dB: exact
-                                tb.add_scalar(f"{metric}/{layer}/{op}", m[metric], s)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                mark(s + 1)  # the probe fetch is not training time
-            if (s + 1) % t.log_every == 0 or s + 1 == t.steps:
-                flush(s + 1)
-            if t.eval_every and (s + 1) % t.eval_every == 0 and s + 1 < t.steps:
-                flush(s + 1)
-                v = evaluate(model_s, state.params)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps({"step": s, "val_loss": v}) + "\n")
-                tb.add_scalar("val/loss", v, s + 1)
-                mark(s + 1)
-            if t.ckpt_every and (s + 1) % t.ckpt_every == 0 and s + 1 < t.steps:
-                flush(s + 1)
-                ckpt.save(s + 1, args=ocp.args.StandardSave(state))
-                mark(s + 1)
-        flush(t.steps)
-        final_model = qmodel if t.steps - 1 < switch else bf16_model
-        val_loss = evaluate(final_model, state.params)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps({"step": t.steps - 1, "val_loss": val_loss}) + "\n")
-        tb.add_scalar("val/loss", val_loss, t.steps)
-        if ckpt.latest_step() != t.steps:  # (a rerun of a finished run restores this one)
-            ckpt.save(t.steps, args=ocp.args.StandardSave(state), force=True)
-        ckpt.wait_until_finished()
-    finally:
-        bar.close()
-        tb.close()
+    with _StopOnInterrupt() as stop:
+        try:
+            for s in range(start, t.steps):
+                model_s = qmodel if s < switch else bf16_model
+                do_probe = bool(config.probes.every) and model_s is qmodel and (
+                    s % config.probes.every == 0 or s == t.steps - 1)
+                fn = step_fn(model_s, with_probes=bool(probes is not None and (
+                    config.probes.fused or do_probe) and model_s is qmodel))
+                b = data.batch(config.seed, s, d.batch_size, d.seq_len)
+                state, metrics, probe_grads = fn(state, to_global(b.tokens), to_global(b.weights),
+                                                 probes)
+                pending.append((s, metrics))
+                if do_probe:
+                    flush(s + 1)
+                    rec = {"step": s, "probes": _probe_records(jax.device_get(probe_grads))}
+                    probe_records.append(rec)
+                    for layer, ops in rec["probes"].items():
+                        for op, m in ops.items():
+                            for metric in ("underflow", "sqnr_db"):  # NaN: not quantized;
+                                if np.isfinite(m[metric]):  # inf dB: exact
+                                    tb.add_scalar(f"{metric}/{layer}/{op}", m[metric], s)
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    mark(s + 1)  # the probe fetch is not training time
+                if (s + 1) % t.log_every == 0 or s + 1 == t.steps:
+                    flush(s + 1)
+                if t.eval_every and (s + 1) % t.eval_every == 0 and s + 1 < t.steps:
+                    flush(s + 1)
+                    v = evaluate(model_s, state.params)
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps({"step": s, "val_loss": v}) + "\n")
+                    tb.add_scalar("val/loss", v, s + 1)
+                    mark(s + 1)
+                if t.ckpt_every and (s + 1) % t.ckpt_every == 0 and s + 1 < t.steps:
+                    flush(s + 1)
+                    ckpt.save(s + 1, args=ocp.args.StandardSave(state))
+                    mark(s + 1)
+                if stop.requested and s + 1 < t.steps:
+                    flush(s + 1)
+                    if ckpt.latest_step() != s + 1:
+                        ckpt.save(s + 1, args=ocp.args.StandardSave(state), force=True)
+                    ckpt.wait_until_finished()
+                    raise TrainingInterrupted(
+                        f"{config.name}: interrupted after step {s + 1} of {t.steps}; its "
+                        f"checkpoint is in {workdir / 'ckpt'}. Run the same command again to "
+                        "resume (bit-exactly).")
+            flush(t.steps)
+            final_model = qmodel if t.steps - 1 < switch else bf16_model
+            val_loss = evaluate(final_model, state.params)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({"step": t.steps - 1, "val_loss": val_loss}) + "\n")
+            tb.add_scalar("val/loss", val_loss, t.steps)
+            if ckpt.latest_step() != t.steps:  # (a rerun of a finished run restores this one)
+                ckpt.save(t.steps, args=ocp.args.StandardSave(state), force=True)
+            ckpt.wait_until_finished()
+        finally:
+            bar.close()
+            tb.close()
 
     steps = [r for r in read_jsonl(metrics_path) if "loss" in r]
     rates = [r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
@@ -446,30 +527,46 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         "underflow_by_kind": underflow_by_kind(summary),
         "probe_summary": summary,
         "layers": {a.path: a.recipe.name for a in qmodel.explain({"params": params}, sample)},
+        "config_changes": read_jsonl(changes_path),
     }
     write_json_atomic(out / "result.json", result)
     return result
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     import argparse
 
-    from experiments.configs import load_config
+    from experiments.configs import describe_keys, load_config
 
-    ap = argparse.ArgumentParser(description="Train the hybrid LM under a precision policy.")
-    ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "default.py"))
+    default = str(Path(__file__).parent / "configs" / "default.py")
+    ap = argparse.ArgumentParser(
+        description="Train the hybrid LM under a precision policy.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (override with key=value) and their defaults in "
+               f"configs/default.py:\n{describe_keys(load_config(default))}")
+    ap.add_argument("--config", default=default)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--distributed", action="store_true", help="call "
                     "jax.distributed.initialize() first (one process per host)")
+    ap.add_argument("--allow-changes", default="", metavar="KEYS",
+                    help="comma-separated config keys or sections (train.steps, train) that "
+                         "may differ from the run in --workdir: continue it with the new "
+                         "values (recorded in config_changes.jsonl)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=300")
     args = ap.parse_args(argv)
     if args.distributed:
         jax.distributed.initialize()
     config = load_config(args.config, args.overrides)
-    r = train(config, args.workdir)
+    allow = tuple(k for k in args.allow_changes.split(",") if k)
+    try:
+        r = train(config, args.workdir, allow_changes=allow)
+    except TrainingInterrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 130
     print(json.dumps({k: v for k, v in r.items() if k not in ("probe_summary", "layers")},
                      indent=1, default=float))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,7 +3,13 @@
     fp4lab formats                     table of every format (bits, range, block, scale, cost)
     fp4lab compare [--tensor F.npy]    SQNR / underflow / saturation / scale health of every
                                        format on several distributions (and your tensors)
-                   [--plot out.png] [--formats nvfp4,mxfp8] [--size 262144] [--axis -1]
+                   [--plot out.png|.jpg|.pdf|.svg] [--formats nvfp4,mxfp8] [--size 262144]
+                   [--dtype bf16] [--axis -1]
+
+Your tensors are quantized in their own dtype (float32, bfloat16, float16; float64 is read
+as float32); the synthetic distributions in ``--dtype`` (BF16 by default, as training
+tensors are). A BF16 ``.npy`` saved from JAX (NumPy records its dtype as ``|V2``) is read
+as BF16.
 """
 
 from __future__ import annotations
@@ -98,21 +104,39 @@ def load_tensors(path: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"tensor file {path!r} does not exist")
     base = os.path.basename(path)
     if path.endswith(".npy"):
-        return {base: np.load(path)}
+        return {base: _known_dtype(np.load(path), base)}
     if path.endswith(".npz"):
         with np.load(path) as z:
             keys = [name] if name else list(z.keys())
             missing = [k for k in keys if k not in z]
             if missing:
                 raise KeyError(f"{missing[0]!r} not in {path}; it holds {sorted(z.keys())}")
-            return {f"{base}:{k}": z[k] for k in keys}
+            return {f"{base}:{k}": _known_dtype(z[k], f"{base}:{k}") for k in keys}
     raise ValueError(f"unsupported tensor file {path!r}: use .npy or .npz")
 
 
+def _known_dtype(x: np.ndarray, name: str) -> np.ndarray:
+    """NumPy stores ml_dtypes arrays as raw bytes (``|V2`` for bfloat16): read 2-byte raw
+    elements as bfloat16; 1-byte ones are ambiguous (which FP8?) and refused."""
+    if x.dtype.kind == "V" and x.dtype.itemsize == 2 and not x.dtype.names:
+        import ml_dtypes
+
+        return x.view(ml_dtypes.bfloat16)
+    if x.dtype.kind == "V":
+        raise TypeError(f"{name}: raw {x.dtype.itemsize}-byte elements (dtype {x.dtype}) do not "
+                        "say their number format; save the tensor as float32 or bfloat16")
+    return x
+
+
 def _as_matrix(x: np.ndarray, axis: int) -> np.ndarray:
-    if not np.issubdtype(x.dtype, np.floating):
+    """2D, blocks along the last axis, in the tensor's own float dtype (float64: float32)."""
+    import ml_dtypes
+
+    if not (np.issubdtype(x.dtype, np.floating) or x.dtype == ml_dtypes.bfloat16):
         raise TypeError(f"tensor of dtype {x.dtype} is not floating point")
-    x = np.moveaxis(np.asarray(x, np.float32), axis, -1) if x.ndim else x.reshape(1, 1)
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    x = np.moveaxis(x, axis, -1) if x.ndim else x.reshape(1, 1)
     return x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
 
 
@@ -126,7 +150,7 @@ def compare(tensors: dict[str, np.ndarray], formats: list[str]) -> list[dict]:
 
     out = []
     for tname, x in tensors.items():
-        xj = jnp.asarray(x, jnp.bfloat16)
+        xj = jnp.asarray(x)  # quantized in its own dtype
         for f in formats:
             m = {k: float(v) for k, v in quant_metrics(xj, f).items()}
             out.append({"tensor": tname, "format": get_format(f).name,
@@ -159,13 +183,25 @@ def _plot(results: list[dict], path: str) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("fp4lab compare: every format on every tensor "
-                 "(BF16 input, blocks on the last axis)")
+    fig.suptitle("fp4lab compare: every format on every tensor (blocks on the last axis)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    kind = plot_format(path)
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, dpi=110, format=kind)
     os.replace(tmp, path)
+
+
+def plot_format(path: str) -> str:
+    """The image format a plot path asks for (its suffix), if matplotlib can write it."""
+    from matplotlib.figure import Figure
+
+    kind = os.path.splitext(path)[1].lstrip(".").lower()
+    known = Figure().canvas.get_supported_filetypes()
+    if kind not in known:
+        raise ValueError(f"--plot {path!r}: the suffix says {kind or 'no'} format; use one of "
+                         f"{', '.join('.' + k for k in sorted(known))}")
+    return kind
 
 
 def _cmd_formats(args) -> int:
@@ -178,11 +214,17 @@ def _cmd_compare(args) -> int:
 
     formats = ([get_format(f).name for f in args.formats.split(",")] if args.formats
                else [n for n, f in FORMATS.items() if n not in ("fp32", "fp16")])
+    if args.plot:
+        plot_format(args.plot)  # a bad suffix fails before the work, not after
+    import ml_dtypes
+
+    synthetic = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32, "fp16": np.float16}[args.dtype]
     rng = np.random.default_rng(args.seed)
     tensors = {}
     if not args.only_files:
         for name, gen in DISTRIBUTIONS.items():
-            tensors[name] = gen(rng, args.size).astype(np.float32).reshape(-1, 1024)
+            tensors[name] = gen(rng, args.size).astype(np.float32).astype(synthetic).reshape(
+                -1, 1024)
     for path in args.tensor or []:
         for name, x in load_tensors(path).items():
             tensors[name] = _as_matrix(x, args.axis)
@@ -196,7 +238,7 @@ def _cmd_compare(args) -> int:
                  "bad scales %": f"{100 * r['bad_scales']:.2f}"}
                 for r in results if r["tensor"] == tname]
         shape = "x".join(map(str, tensors[tname].shape))
-        print(f"\n## {tname} ({shape}, BF16)\n")
+        print(f"\n## {tname} ({shape}, {tensors[tname].dtype})\n")
         print(_table(rows))
     print("\nunderflow: fraction of nonzero inputs that dequantize to 0; saturation: inputs "
           "clipped at the element max;\nbad scales: blocks whose scale is zero/subnormal "
@@ -216,10 +258,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=".npy or .npz (or file.npz:name) to include; repeatable")
     c.add_argument("--axis", type=int, default=-1, help="block axis of --tensor arrays")
     c.add_argument("--formats", default="", help="comma-separated format names (default: all)")
-    c.add_argument("--size", type=int, default=262144, help="elements per synthetic tensor")
+    c.add_argument("--size", type=int, default=262144,
+                   help="elements per synthetic tensor, a multiple of 1024 (the synthetic "
+                        "tensors are 1024 wide; default: 262144)")
+    c.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
+                   help="dtype of the synthetic tensors (yours keep their own; default: bf16)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--only-files", action="store_true", help="skip synthetic distributions")
-    c.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
+    c.add_argument("--plot", metavar="FILE.png", help="write a bar chart (the suffix picks the "
+                   "format: .png, .jpg, .pdf, .svg, ...)")
     c.set_defaults(fn=_cmd_compare)
     args = p.parse_args(argv)
     if getattr(args, "size", 1024) % 1024 or getattr(args, "size", 1024) <= 0:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import ml_collections
 
-__all__ = ["load_config", "apply_overrides", "CONFIG_DIR"]
+__all__ = ["load_config", "apply_overrides", "config_changes", "format_changes", "describe_keys",
+           "CONFIG_DIR"]
 
 CONFIG_DIR = Path(__file__).parent
 
@@ -59,3 +60,39 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem[0] != "_"))
         raise FileNotFoundError(f"config {str(path)!r} not found (configs here: {known})")
     return apply_overrides(_load_module(path).get_config(), overrides)
+
+
+# keys that do not change what a run computes (a run may resume with other values)
+NOT_PART_OF_THE_RUN = ("compile_cache",)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: dict, new: dict) -> dict[str, tuple]:
+    """``{dotted key: (old value, new value)}`` for every key whose value differs between two
+    configs given as dicts (``ConfigDict.to_dict()`` or a stored ``config.json``); values are
+    compared as JSON stores them (tuples as lists), missing keys as ``None``."""
+    import json
+
+    norm = lambda d: _flat(json.loads(json.dumps(d, sort_keys=True, default=float)))  # noqa
+    a, b = norm(old), norm(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in NOT_PART_OF_THE_RUN}
+
+
+def format_changes(changes: dict[str, tuple]) -> str:
+    """``train.steps: 60 -> 80, precision.policy: 'nemotron3' -> 'nvfp4'``."""
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
+def describe_keys(config: ml_collections.ConfigDict) -> str:
+    """Every overridable key of ``config`` with its default, one per line (for ``--help``)."""
+    return "\n".join(f"  {k} = {v!r}" for k, v in _flat(config.to_dict()).items())

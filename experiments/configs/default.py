@@ -16,6 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources
+        suffixes=(),  # in folders: () = every text file, or e.g. ('.txt', '.md') only
         seq_len=128, batch_size=8, val_fraction=0.1, val_batches=4))
 
     c.train = ml_collections.ConfigDict(dict(

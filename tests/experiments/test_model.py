@@ -76,3 +76,18 @@ def test_corpus_is_the_stdlib_split_by_file_and_deterministic(corpus_dir):
     assert not np.array_equal(a.batch(0, 6, 4, 16).tokens, ba.tokens)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_text(["/no/such/folder"])
+
+
+def test_a_folder_gives_every_text_file_or_the_chosen_suffixes(tmp_path):
+    (tmp_path / "a.txt").write_text("first document " * 40)
+    (tmp_path / "b.md").write_text("# second " * 40)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.rst").write_text("third " * 40)
+    (tmp_path / "model.bin").write_bytes(b"\x00\x01binary" * 40)  # not text: left out
+    (tmp_path / ".hidden").write_text("secret " * 40)
+    everything = load_text([tmp_path], val_fraction=0.3)
+    assert sum(everything.files) == 3
+    only = load_text([tmp_path], val_fraction=0.3, suffixes=(".txt", ".md"))
+    assert sum(only.files) == 2 and b"third" not in only.train.tobytes() + only.val.tobytes()
+    with pytest.raises(FileNotFoundError, match=r"no text files.*\('\.tex',\)"):
+        load_text([tmp_path], suffixes=(".tex",))

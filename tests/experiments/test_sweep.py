@@ -44,7 +44,7 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, text, 
     sweep.run_sweep(config, tmp_path, progress=False, retry_failed=True)
     assert calls == ["nvfp5"]
     config.train.lr = 1e-2  # another config must not silently reuse these runs
-    with pytest.raises(ValueError, match="another config \\(differs in train.lr\\)"):
+    with pytest.raises(ValueError, match=r"another config \(train.lr: 0.003 -> 0.01\)"):
         sweep.run_sweep(config, tmp_path, progress=False)
 
 

@@ -138,3 +138,52 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny, text):
         seen.append(float(m["loss"]))
     assert seen[-1] < seen[0] - 0.5, seen
     assert int(state.step) == 8 and int(state.bad_step) == -1
+
+
+@pytest.mark.slow
+def test_a_workdir_with_another_config_is_refused_unless_the_change_is_allowed(tiny, text,
+                                                                               tmp_path):
+    tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 6, 0, 0
+    tiny.precision.policy = "nemotron3"
+    train(tiny, tmp_path, data=text, progress=False)
+    other = tiny.copy_and_resolve_references()
+    other.precision.policy, other.train.steps = "nvfp4", 8
+    with pytest.raises(ValueError, match=r"another config \(precision.policy: 'nemotron3' -> "
+                                         r"'nvfp4', train.steps: 6 -> 8\).*--allow-changes"):
+        train(other, tmp_path, data=text, progress=False)
+    longer = tiny.copy_and_resolve_references()
+    longer.train.steps = 8
+    r = train(longer, tmp_path, data=text, progress=False, allow_changes=("train.steps",))
+    assert r["config_changes"] == [{"step": 6, "changes": {"train.steps": [6, 8]}}]
+    assert [s for s, _ in losses(tmp_path)] == list(range(8))  # continued, not restarted
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 8
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tiny, corpus_dir, tmp_path,
+                                                                  monkeypatch, capsys):
+    import os
+    import signal
+
+    from experiments import data as data_module
+    from experiments.train import main
+
+    real_batch = data_module.TextData.batch
+
+    def batch(self, seed, step, batch_size, seq_len):
+        if step == 3 and not (tmp_path / "interrupted").exists():
+            (tmp_path / "interrupted").touch()
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in the terminal
+        return real_batch(self, seed, step, batch_size, seq_len)
+
+    monkeypatch.setattr(data_module.TextData, "batch", batch)
+    args = ["--config", "tiny", "--workdir", str(tmp_path / "run"), f"data.paths=('{corpus_dir}',)",
+            f"compile_cache={tiny.compile_cache}", "probes.every=0", "train.ckpt_every=0"]
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted after step 4 of 12" in err and "again to resume" in err
+    assert "Traceback" not in err
+    ckpt = tmp_path / "run" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4"]  # saved, nothing half-written
+    assert main(args) == 0  # resumes and finishes
+    assert [s for s, _ in losses(tmp_path / "run")] == list(range(12))

@@ -40,3 +40,35 @@ def test_compare_errors_are_clear(tmp_path, capsys):
     assert "not floating point" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["compare", "--size", "1000"])
+
+
+def test_compare_keeps_each_tensors_dtype_reads_jax_bf16_and_writes_the_plot_format(
+        tmp_path, capsys):
+    import jax.numpy as jnp
+
+    w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    np.save(tmp_path / "w32.npy", w)
+    np.save(tmp_path / "w16.npy", np.asarray(jnp.asarray(w, jnp.bfloat16)))  # saved as |V2
+    assert np.load(tmp_path / "w16.npy").dtype == np.dtype("V2")
+    plot = tmp_path / "cmp.jpg"
+    assert cli.main(["compare", "--only-files", "--formats", "bf16,nvfp4", "--tensor",
+                     str(tmp_path / "w32.npy"), "--tensor", str(tmp_path / "w16.npy"),
+                     "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "## w32.npy (32x64, float32)" in out and "## w16.npy (32x64, bfloat16)" in out
+    # float32 tensors are no longer rounded to BF16 first: bf16 is lossy there, exact on BF16
+    rows = {sec.split(" ")[0]: sec for sec in out.split("## ")[1:]}
+    assert "| bf16" in rows["w32.npy"] and " inf " not in rows["w32.npy"].split("| bf16")[1][:60]
+    assert " inf " in rows["w16.npy"].split("| bf16")[1][:60]
+    assert plot.read_bytes()[:3] == b"\xff\xd8\xff"  # JPEG, not PNG bytes
+    assert cli.main(["compare", "--size", "1024", "--plot", str(tmp_path / "x.bmpx")]) == 2
+    assert "use one of" in capsys.readouterr().err
+    np.save(tmp_path / "raw.npy", np.zeros(4, np.dtype("V1")))
+    assert cli.main(["compare", "--only-files", "--tensor", str(tmp_path / "raw.npy")]) == 2
+    assert "do not say their number format" in capsys.readouterr().err
+
+
+def test_compare_size_help_says_multiple_of_1024(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    assert "multiple of 1024" in capsys.readouterr().out
