@@ -2,31 +2,44 @@
 #   make sweep  the main job: train the hybrid LM under 11 precision policies (~10 min on CPU)
 #   make demo   the fp4lab CLI: format table and format comparison plot
 #   make test   the test suite
+# Each target installs what it needs (the sm_90 compile check's 1 GB Triton wheel only for
+# `make test`).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+BASE   := $(VENV)/.installed-base
+TEST   := $(VENV)/.installed-test
+BENCH  := $(VENV)/.installed-bench
 
 .PHONY: sweep demo test bench clean venv
-venv: $(STAMP)
+venv: $(BASE)
 
-$(STAMP): pyproject.toml scripts/find-python
+$(PY): scripts/find-python
 	@test -x $(PY) || "$$(sh scripts/find-python)" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
-	@touch $(STAMP)
 
-sweep: $(STAMP)
+$(BASE): pyproject.toml $(PY)
+	$(PY) -m pip install --quiet -e .
+	@touch $(BASE)
+
+$(TEST): pyproject.toml $(PY)
+	$(PY) -m pip install --quiet -e ".[test,compile-check]"
+	@touch $(TEST) $(BASE)
+
+$(BENCH): pyproject.toml $(PY)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	@touch $(BENCH) $(BASE)
+
+sweep: $(BASE)
 	$(PY) -m experiments.sweep --out results/sweep $(ARGS)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/fp4lab formats
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
-test: $(STAMP)
+test: $(TEST)
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+bench: $(BENCH)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
 

@@ -8,15 +8,13 @@
   recipe name (every layer in that recipe);
 * anything ``fp4lab.policy.get_policy`` accepts (``nvfp4_paper``, ``all:<recipe>``);
 * ``file:<path.json>``: a policy written by ``experiments.auto_assign`` (or
-  ``fp4lab.policy.policy_to_dict``).
+  ``fp4lab.policy.save_policy``); the library reads it the same way
+  (``quantize_model(model, "file:policy.json")``, ``fp4lab.policy.load_policy``).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from fp4lab.policy import PrecisionPolicy, all_layers, get_policy, nemotron3, policy_from_dict
+from fp4lab.policy import PrecisionPolicy, all_layers, get_policy, nemotron3
 from fp4lab.recipe import RECIPES
 
 __all__ = ["get", "NAMED"]
@@ -37,11 +35,6 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
                                block_pattern=policy.block_pattern)
     if name in RECIPES:
         return all_layers(name)
-    if name.startswith("file:"):
-        path = Path(name[5:])
-        if not path.exists():
-            raise FileNotFoundError(f"policy file {str(path)!r} does not exist")
-        return policy_from_dict(json.loads(path.read_text()))
     try:
         return get_policy(name)
     except ValueError:

@@ -32,8 +32,8 @@ from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "explain", "PRESETS",
            "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
-           "policy_from_dict", "block_pattern_for", "PolicyWarning", "LAYER_KINDS",
-           "check_unused"]
+           "policy_from_dict", "load_policy", "save_policy", "block_pattern_for",
+           "PolicyWarning", "LAYER_KINDS", "check_unused"]
 
 # a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...)
 DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)"
@@ -326,15 +326,47 @@ PRESETS = {"nemotron3": nemotron3, "nvfp4_paper": nvfp4_paper}
 
 
 def get_policy(name: str | PrecisionPolicy) -> PrecisionPolicy:
-    """A preset by name (``nemotron3``, ``nvfp4_paper``, ``all:<recipe>``), or the policy."""
+    """A preset by name (``nemotron3``, ``nvfp4_paper``, ``all:<recipe>``), a policy file
+    (``file:<path.json>``, as ``experiments.auto_assign`` writes), or the policy itself."""
     if isinstance(name, PrecisionPolicy):
         return name
     if isinstance(name, str):
         if name.startswith("all:"):
             return all_layers(name[4:])
+        if name.startswith("file:"):
+            return load_policy(name[5:])
         if name in PRESETS:
             return PRESETS[name]()
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(PRESETS)}, all:<recipe>")
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(PRESETS)}, all:<recipe>, "
+                     "file:<policy.json>")
+
+
+def load_policy(path) -> PrecisionPolicy:
+    """The policy in a JSON file written by :func:`save_policy` (or
+    ``experiments.auto_assign``)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"policy file {str(path)!r} does not exist")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"policy file {str(path)!r} is not JSON: {e}") from None
+    return policy_from_dict(d)
+
+
+def save_policy(policy: PrecisionPolicy, path) -> None:
+    """Write ``policy`` as JSON (atomically: a reader sees the old file or the new one)."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(policy_to_dict(policy), indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- serialization

@@ -55,7 +55,11 @@ Rounding = Literal["nearest", "stochastic"]
 )
 @dataclasses.dataclass(frozen=True)
 class QArray:
-    """A quantized array. ``data``/``scale`` are in the padded block layout (see module doc)."""
+    """A quantized array. ``data``/``scale`` are in the padded block layout (see module doc).
+
+    ``global_scale`` is NVFP4's per-tensor value as Transformer Engine stores it: the float32
+    tensor amax (the encode and decode factors are ``2688 / amax`` and its inverse), also
+    readable as :attr:`tensor_amax`; ``None`` for formats without one."""
 
     data: jax.Array
     scale: jax.Array | None
@@ -68,6 +72,11 @@ class QArray:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def tensor_amax(self) -> jax.Array | None:
+        """The per-tensor amax (NVFP4), the same array as ``global_scale``."""
+        return self.global_scale
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize(self, dtype)

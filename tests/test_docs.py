@@ -1,5 +1,6 @@
-"""Every Python example in the README and docs/ runs: the ```python blocks of each file are
-executed in order in one namespace (later examples may use names defined by earlier ones)."""
+"""Every Python example in the README and docs/ runs, each on its own: a ```python block runs
+in a fresh namespace unless its first line says ``# continues the previous example`` (then it
+runs in the namespace the previous block left)."""
 
 import re
 from pathlib import Path
@@ -26,6 +27,8 @@ def test_documentation_examples_run(path, monkeypatch, tmp_path):
         assert len(blocks) >= 3, "the README tour lost its examples (tensor, GEMM, model)"
     namespace: dict = {}
     for line, code in blocks:
+        if not code.lstrip().startswith("# continues the previous example"):
+            namespace = {}
         try:
             exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
         except Exception as e:  # name the example that failed

@@ -35,6 +35,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+import jax
+
 from flax import linen as nn
 from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's submodule
 
@@ -59,13 +61,17 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
 
 
 def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int | None = None,
-                   seed: int = 0, backend: str = "auto", strict: bool = False,
-                   block: str | None = None):
+                   seed: int = 0, rngs: flax_nnx.Rngs | None = None, backend: str = "auto",
+                   strict: bool = False, block: str | None = None):
     """Apply ``policy`` to a model written without fp4lab (see module docstring).
 
     NNX: installs the quantized hook in every governed layer, in place, and returns the model;
-    each layer's SR stream is seeded from ``seed`` and its path (stable across processes).
-    Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``).
+    each layer gets its own SR stream, seeded from the layer's path and ``seed``, or, with
+    ``rngs=``, from one draw of its ``quant`` stream (else its default stream): the model's
+    ``nnx.Rngs`` then seed SR as they seed everything else. Either way the seeds are stable
+    across processes and independent of the order layers are visited in.
+    Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``; SR keys come
+    from ``apply``'s ``rngs={"quant": key}``).
     ``backend``: which implementation quantizes (:mod:`fp4lab.backend`).
 
     A required rule that matches no layer is a :class:`~fp4lab.policy.PolicyWarning` naming
@@ -82,16 +88,24 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
     num_blocks = num_blocks or policy.infer_num_blocks(p for p, _ in linear_layers(model))
+    base = None
+    if rngs is not None:
+        base = rngs.quant() if "quant" in rngs else rngs()
     assignments = []
     for path, m in list(flax_nnx.iter_modules(model)):
         if type(m) not in _nnx.HOOKS:
             continue
         kind, hook, op = _nnx.HOOKS[type(m)]
         name = "/".join(map(str, path))
-        layer_seed = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
+        path_hash = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
         assignments.append(a := policy.assign(name, kind, num_blocks))
+        if base is None:
+            layer = op(a.recipe, seed=path_hash, backend=backend)
+        else:
+            key = jax.random.fold_in(base, path_hash)
+            layer = op(a.recipe, rngs=flax_nnx.Rngs(quant=key), backend=backend)
         # nnx.data: the hook was a static attribute (a function); the op carries rng state
-        setattr(m, hook, flax_nnx.data(op(a.recipe, seed=layer_seed, backend=backend)))
+        setattr(m, hook, flax_nnx.data(layer))
     if assignments:
         check_unused(policy, assignments, strict=strict, stacklevel=2)
     return model

@@ -285,3 +285,16 @@ def test_the_kernel_backend_through_quantize_model_gives_the_same_bits():
     nnx_outs = [quantize_model(NNXMLP(nnx.Rngs(0)), "all:nvfp4_no_sr", backend=b)(x)
                 for b in ("xla", "pallas")]
     np.testing.assert_array_equal(np.asarray(nnx_outs[0]), np.asarray(nnx_outs[1]))
+
+
+def test_nnx_stochastic_rounding_is_seeded_by_the_models_rngs():
+    def wgrad(**kw):
+        model = NNXMLP(nnx.Rngs(0))
+        quantize_model(model, "all:nvfp4", **kw)  # SR on the gradients
+        g = nnx.grad(lambda m: (m(jnp.ones((4, 32))) ** 2).sum())(model)
+        return np.asarray(jax.tree.leaves(nnx.state(g, nnx.Param))[0])
+
+    np.testing.assert_array_equal(wgrad(rngs=nnx.Rngs(quant=5)), wgrad(rngs=nnx.Rngs(quant=5)))
+    assert not np.array_equal(wgrad(rngs=nnx.Rngs(quant=5)), wgrad(rngs=nnx.Rngs(quant=6)))
+    assert not np.array_equal(wgrad(seed=1), wgrad(seed=2))
+    np.testing.assert_array_equal(wgrad(rngs=nnx.Rngs(7)), wgrad(rngs=nnx.Rngs(7)))  # default

@@ -1,7 +1,7 @@
 """Every kernel compiles to an H200 (sm_90a) binary, without a GPU.
 
 The Triton modules JAX lowers for an abstract H200 are compiled by upstream Triton (the pip
-``triton`` package, pinned in the ``test`` extra) through its whole pipeline, TTIR -> TTGIR
+``triton`` package, pinned in the ``compile-check`` extra) through its whole pipeline, TTIR -> TTGIR
 -> LLVM IR -> PTX -> cubin, the last step by the ``ptxas`` Triton ships. On a GPU, XLA runs
 its own build of the same Triton pipeline, so this is a proxy for what the GPU compiles, and a
 kernel that stops compiling, spills registers or gains an approximate division fails CI.
@@ -36,7 +36,7 @@ from kernel_helpers import kernel_cases, triton_modules
 
 if not sys.platform.startswith("linux"):  # the test extra installs Triton on Linux only
     pytest.skip("pip Triton (the sm_90 compiler) has Linux wheels only", allow_module_level=True)
-import triton  # noqa: E402  (a missing Triton on Linux is an error, not a skip)
+import triton  # noqa: E402  (missing on Linux: an error; pip install -e ".[compile-check]")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
