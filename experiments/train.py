@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from experiments import policies
 from experiments.data import TextData, load_text
 from experiments.model import HybridLM, ModelConfig
+from fp4lab import delayed
 from fp4lab.flax import quantize_model
 from fp4lab.metrics import METRIC_NAMES
 from fp4lab.qdot import OPERANDS
@@ -106,6 +107,8 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     bad_step: jax.Array  # -1, or the first step whose loss/gradient was not finite
+    # FP8 delayed scaling: the "amax_history" collection (None when no layer uses it)
+    amax_history: dict | None = None
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -200,9 +203,12 @@ def _cross_entropy(logits, targets, weights):
 
 
 def make_loss(qmodel, mtp_weight: float):
-    def loss_fn(params, probes, tokens, weights, key):
-        variables = {"params": params} if probes is None else {"params": params,
-                                                                "probes": probes}
+    def loss_fn(params, probes, history, tokens, weights, key):
+        variables = {"params": params}
+        if probes is not None:
+            variables["probes"] = probes
+        if history is not None:
+            variables["amax_history"] = history
         logits, mtp_logits = qmodel.apply(variables, tokens[:, :-1], rngs={"quant": key})
         loss = main = _cross_entropy(logits, tokens[:, 1:], weights)
         if mtp_logits is not None:
@@ -219,19 +225,23 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
 
     def step(state: TrainState, tokens, weights, probes):
         key = jax.random.fold_in(base_key, state.step)
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-        (loss, main), (grads, probe_grads) = grad_fn(
-            state.params, probes if with_probes else None, tokens, weights, key)
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
+        (loss, main), (grads, probe_grads, seen) = grad_fn(
+            state.params, probes if with_probes else None, state.amax_history, tokens,
+            weights, key)
         gnorm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & (state.bad_step < 0)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+        history = None if state.amax_history is None else keep(
+            delayed.update(state.amax_history, seen), state.amax_history)
         new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
                          params=keep(params, state.params),
                          opt_state=keep(opt_state, state.opt_state),
                          bad_step=jnp.where(ok | (state.bad_step >= 0), state.bad_step,
-                                            state.step))
+                                            state.step),
+                         amax_history=history)
         metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
                    "lr": sched(state.step)}
         return new, metrics, probe_grads
@@ -350,11 +360,12 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     tx, sched = make_optimizer(t)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
+    qmodel = quantize_model(model, policy, backend=config.precision.get("backend", "auto"))
+    history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
-                       bad_step=jnp.int32(-1))
+                       bad_step=jnp.int32(-1), amax_history=history)
     state = jax.device_put(state, replicated)
 
-    qmodel = quantize_model(model, policy, backend=config.precision.get("backend", "auto"))
     bf16_model = quantize_model(model, policies.get("bf16"))
     probes = qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None
     steps_fn = {}
@@ -371,14 +382,15 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     val = data.val_batches(d.val_batches, d.batch_size, d.seq_len)
     eval_fns = {}
 
-    def evaluate(model_, params):
+    def evaluate(model_, state):
+        """Validation loss (delayed scaling: with the history the next step would use)."""
         if id(model_) not in eval_fns:
             loss_fn = make_loss(model_, 0.0)
-            eval_fns[id(model_)] = jax.jit(lambda p, tok, w: loss_fn(
-                p, None, tok, w, jax.random.key(config.seed))[1])
+            eval_fns[id(model_)] = jax.jit(lambda p, h, tok, w: loss_fn(
+                p, None, h, tok, w, jax.random.key(config.seed))[1])
         f = eval_fns[id(model_)]
-        return float(np.mean([f(params, to_global(b.tokens), to_global(b.weights))
-                              for b in val]))
+        return float(np.mean([f(state.params, state.amax_history, to_global(b.tokens),
+                                to_global(b.weights)) for b in val]))
 
     # ---- resume
     ckpt = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
@@ -480,7 +492,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                     flush(s + 1)
                 if t.eval_every and (s + 1) % t.eval_every == 0 and s + 1 < t.steps:
                     flush(s + 1)
-                    v = evaluate(model_s, state.params)
+                    v = evaluate(model_s, state)
                     with metrics_path.open("a") as f:
                         f.write(json.dumps({"step": s, "val_loss": v}) + "\n")
                     tb.add_scalar("val/loss", v, s + 1)
@@ -500,7 +512,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                         "resume (bit-exactly).")
             flush(t.steps)
             final_model = qmodel if t.steps - 1 < switch else bf16_model
-            val_loss = evaluate(final_model, state.params)
+            val_loss = evaluate(final_model, state)
             with metrics_path.open("a") as f:
                 f.write(json.dumps({"step": t.steps - 1, "val_loss": val_loss}) + "\n")
             tb.add_scalar("val/loss", val_loss, t.steps)

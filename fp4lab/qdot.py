@@ -33,9 +33,11 @@ import numpy as np
 from jax import lax
 
 from fp4lab import backend as _backend
+from fp4lab.delayed import history_amax
 from fp4lab.hadamard import rht
 from fp4lab.metrics import METRIC_NAMES, quant_metrics
 from fp4lab.quantize import check_key, dequantize, fake_quant, quantize
+from fp4lab.rounding import abs_max
 from fp4lab.recipe import OperandQuant, Recipe, get_recipe
 from fp4lab.scaling import NVFP4Scale
 
@@ -61,12 +63,14 @@ def probe_table(probe_grad) -> dict[str, dict[str, float]]:
     return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(OPERANDS)}
 
 
-def _operand_metrics(x, op: OperandQuant, axis: int, key, signs) -> jax.Array:
-    """The metrics row of one operand, quantized exactly as :func:`quantize_operand` does."""
+def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=None
+                     ) -> jax.Array:
+    """The metrics row of one operand, quantized exactly as :func:`quantize_operand` does
+    (with the delayed amax, if any: a scale that lags the data shows as saturation)."""
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     m = quant_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                      tile=op.tile, rounding=op.rounding, key=key)
+                      tile=op.tile, rounding=op.rounding, key=key, global_amax=global_amax)
     return jnp.stack([m[k] for k in METRIC_NAMES])
 
 
@@ -84,14 +88,15 @@ def operand_keys(key) -> dict[str, jax.Array | None]:
 
 
 def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
-                     backend: str = "auto") -> jax.Array:
+                     backend: str = "auto", global_amax=None) -> jax.Array:
     """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
     cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values).
 
     On the kernel backend, an NVFP4 operand with a 16-point RHT blocked along the token axis
     of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
-    the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``."""
-    if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile:
+    the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``. ``global_amax``: the
+    per-tensor amax to scale for (delayed scaling), instead of the operand's own."""
+    if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile and global_amax is None:
         if _backend.choose(backend, op.format, unsupported=_fused_rht_reason(x, op),
                            strict=False) == "pallas":
             from pallas_kernels import quantize as kq
@@ -111,7 +116,7 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
             backend, op.format, axis_from_end=_backend.values_axis(op.format, axis, op.tile),
             tile=op.tile, rounding=op.rounding, strict=False)
     return fake_quant(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
-                      rounding=op.rounding, key=key, backend=backend)
+                      rounding=op.rounding, key=key, backend=backend, global_amax=global_amax)
 
 
 def _fused_rht_reason(x, op: OperandQuant) -> str | None:
@@ -181,81 +186,126 @@ def _from_canon(x, canon_shape, perm, dtype):
 # ----------------------------------------------------------------------------- custom_vjp
 
 
-def _weight(w, recipe: Recipe, key, backend):
+def _delayed_amaxes(recipe: Recipe, history) -> dict[str, jax.Array | None]:
+    """Per operand: the amax its scale is computed from (delayed scaling), else None."""
+    out = dict.fromkeys(OPERANDS)
+    for name in recipe.delayed_operands:
+        out[name] = history_amax(history[OPERANDS.index(name)], recipe.delayed)
+    return out
+
+
+def _observed(x, op: OperandQuant, axis: int, signs) -> jax.Array:
+    """The amax of what a per-tensor operand quantizes (after its RHT, if it has one)."""
+    if op.hadamard:
+        x = rht(x, axis, op.hadamard, signs)
+    return abs_max(x)
+
+
+def _weight(w, recipe: Recipe, key, backend, amax):
     """fprop W, and a QArray to reuse in dgrad when both GEMMs use the same tiled spec."""
     op = recipe.fprop_w
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
                       key=key, backend=backend)
         return dequantize(qw), qw
-    return quantize_operand(w, op, 1, key, recipe.hadamard_signs, backend), None
+    return quantize_operand(w, op, 1, key, recipe.hadamard_signs, backend,
+                            amax["fprop_w"]), None
 
 
-def _forward(x, w, keys, recipe: Recipe, backend):
-    wq, qw = _weight(w, recipe, keys["fprop_w"], backend)
+def _forward(x, w, keys, recipe: Recipe, backend, amax):
+    wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax)
     xq = quantize_operand(x, recipe.fprop_x, -1, keys["fprop_x"], recipe.hadamard_signs,
-                          backend)
+                          backend, amax["fprop_x"])
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, backend):
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, backend, amax):
     s = recipe.hadamard_signs
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
     if qw is not None:
         wq2 = dequantize(qw)
     else:
-        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s, backend)
-    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s, backend)
+        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s, backend,
+                               amax["dgrad_w"])
+    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s, backend,
+                           amax["dgrad_dy"])
     dx = _mm(dyq, wq2, _BMN_BKN)
-    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s, backend)
-    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s, backend)
+    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s, backend, amax["wgrad_x"])
+    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s, backend,
+                            amax["wgrad_dy"])
     return dx, _mm(xq3, dyq3, _BMK_BMN)
 
 
-def _forward_probes(x, w, keys, recipe: Recipe):
+def _forward_probes(x, w, keys, recipe: Recipe, amax):
     s = recipe.hadamard_signs
-    return jnp.stack([_operand_metrics(x, recipe.fprop_x, -1, keys["fprop_x"], s),
-                      _operand_metrics(w, recipe.fprop_w, 1, keys["fprop_w"], s)])
+    return jnp.stack([_operand_metrics(x, recipe.fprop_x, -1, keys["fprop_x"], s,
+                                       amax["fprop_x"]),
+                      _operand_metrics(w, recipe.fprop_w, 1, keys["fprop_w"], s,
+                                       amax["fprop_w"])])
 
 
-def _backward_probes(x, w, dy, keys, recipe: Recipe):
+def _backward_probes(x, w, dy, keys, recipe: Recipe, amax):
     if recipe.backward == "ste":
         return jnp.stack([_NOT_QUANTIZED] * 4)
     s = recipe.hadamard_signs
-    return jnp.stack([_operand_metrics(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s),
-                      _operand_metrics(w, recipe.dgrad_w, -1, keys["dgrad_w"], s),
-                      _operand_metrics(x, recipe.wgrad_x, 1, keys["wgrad_x"], s),
-                      _operand_metrics(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s)])
+    return jnp.stack([_operand_metrics(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s,
+                                       amax["dgrad_dy"]),
+                      _operand_metrics(w, recipe.dgrad_w, -1, keys["dgrad_w"], s,
+                                       amax["dgrad_w"]),
+                      _operand_metrics(x, recipe.wgrad_x, 1, keys["wgrad_x"], s,
+                                       amax["wgrad_x"]),
+                      _operand_metrics(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s,
+                                       amax["wgrad_dy"])])
+
+
+_AXES = {"fprop_x": -1, "fprop_w": 1, "dgrad_dy": -1, "dgrad_w": -1, "wgrad_x": 1,
+         "wgrad_dy": 1}  # the quantization axis of each canonical operand
+
+
+def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
+    """The history's "gradient": this step's amaxes in column 0 (see fp4lab.delayed)."""
+    if history is None:
+        return None
+    observed = [
+        _observed(tensors[name], op, _AXES[name], recipe.hadamard_signs)
+        if name in recipe.delayed_operands else jnp.float32(0)
+        for name, op in recipe.operands.items()]
+    return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe):
+def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     x, w = _to_canon(lhs, rhs, plan)
-    y = _forward(x, w, operand_keys(key), recipe, backend)[0]
+    amax = _delayed_amaxes(recipe, history)
+    y = _forward(x, w, operand_keys(key), recipe, backend, amax)[0]
     return y.reshape(plan.out_shape).astype(out_dtype)
 
 
-def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe):
+def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     x, w = _to_canon(lhs, rhs, plan)
     keys = operand_keys(key)
-    y, xq, wq, qw = _forward(x, w, keys, recipe, backend)
-    fwd_probes = None if probe is None else _forward_probes(x, w, keys, recipe)
+    amax = _delayed_amaxes(recipe, history)
+    y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
+    fwd_probes = None if probe is None else _forward_probes(x, w, keys, recipe, amax)
     res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (
-        qw, fwd_probes)
+        qw, fwd_probes, history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
-    x, w, key, xq, wq, qw, fwd_probes = res
+    x, w, key, xq, wq, qw, fwd_probes, history = res
     b, m, _, n = plan.bmkn
     dy = g.reshape(b, m, n)
     keys = operand_keys(key)
-    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend)
+    amax = _delayed_amaxes(recipe, history)
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend, amax)
     probes = None if fwd_probes is None else jnp.concatenate(
-        [fwd_probes, _backward_probes(x, w, dy, keys, recipe)])
+        [fwd_probes, _backward_probes(x, w, dy, keys, recipe, amax)])
+    seen = _history_grad(history, recipe, {"fprop_x": x, "fprop_w": w, "dgrad_dy": dy,
+                                           "dgrad_w": w, "wgrad_x": x, "wgrad_dy": dy})
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
-            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes)
+            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes, seen)
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -268,7 +318,7 @@ def _check_operand(name, x):
 
 
 def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
-                 probe=None, backend: str = "auto", precision=None,
+                 probe=None, amax_history=None, backend: str = "auto", precision=None,
                  preferred_element_type=None, out_sharding=None):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
@@ -279,6 +329,9 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       key: PRNG key; required when the recipe uses stochastic rounding.
       probe: ``None``, or :func:`probe_zeros` to measure the numerics of all six GEMM
         operands: its gradient is the metrics table (the output does not depend on it).
+      amax_history: for recipes with delayed scaling (``fp8_delayed``): this GEMM's history,
+        ``fp4lab.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
+        step's amaxes for :func:`fp4lab.delayed.update`.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
         :mod:`fp4lab.backend`); round-to-nearest kernels give the same bits, stochastic
         rounding kernels other (equally unbiased) random bits.
@@ -297,6 +350,18 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          "jax.random key, or an rng stream in Flax)")
     if key is not None:
         check_key(key)
+    if recipe.delayed is not None:
+        want = (len(OPERANDS), recipe.delayed.history_len)
+        if amax_history is None:
+            raise ValueError(f"recipe {recipe.name} uses delayed scaling: pass amax_history= "
+                             "(fp4lab.delayed.init_history(recipe.delayed) at the first step, "
+                             "then fp4lab.delayed.update each step; docs/gemms_and_policies.md)")
+        if jnp.shape(amax_history) != want:
+            raise ValueError(f"amax_history has shape {jnp.shape(amax_history)}; recipe "
+                             f"{recipe.name} needs {want}")
+        amax_history = jnp.asarray(amax_history, jnp.float32)
+    elif amax_history is not None:
+        raise ValueError(f"amax_history given, but recipe {recipe.name} has no delayed scaling")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
     if probe is not None and jnp.shape(probe) != (len(OPERANDS), len(METRIC_NAMES)):
@@ -304,7 +369,8 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          f"(shape {(len(OPERANDS), len(METRIC_NAMES))})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
-    y = _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key, probe)
+    y = _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key, probe,
+              amax_history)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
@@ -329,8 +395,8 @@ def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
-            backend: str = "auto", preferred_element_type=None, precision=None,
-            out_sharding=None):
+            amax_history=None, backend: str = "auto", preferred_element_type=None,
+            precision=None, out_sharding=None):
     """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
 
     Letters in both inputs and the output are batch dims, letters in both inputs only are
@@ -351,8 +417,8 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     contract = [c for c in sa if c in sb and c not in out]
     dn = ((tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
           (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)))
-    y = qdot_general(a, b, dn, recipe, key=key, probe=probe, backend=backend,
-                     preferred_element_type=preferred_element_type)
+    y = qdot_general(a, b, dn, recipe, key=key, probe=probe, amax_history=amax_history,
+                     backend=backend, preferred_element_type=preferred_element_type)
     produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
     y = jnp.transpose(y, [produced.index(c) for c in out])
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

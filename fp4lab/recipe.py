@@ -11,7 +11,8 @@ quantized from its high-precision value (never re-quantized); a weight quantized
 in fprop and with the same spec in dgrad is the same quantized weight (its transpose is exact).
 QAT recipes (``backward="ste"``) quantize only the forward operands and differentiate straight
 through them: dgrad uses the quantized W, wgrad the quantized X, gradients stay in high
-precision.
+precision. A recipe with ``delayed=DelayedScaling(...)`` scales its per-tensor operands from
+an amax history instead of their current amax (TE's classic FP8 recipe; ``fp4lab.delayed``).
 
 Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named ones.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
 
 __all__ = ["OperandQuant", "Recipe", "RECIPES", "get_recipe", "recipe_names"]
@@ -78,6 +80,8 @@ class Recipe:
 
     ``hadamard_signs`` selects the RHT sign vector: ``"te"`` (Transformer Engine's fixed
     16-entry vector) or an int seed for a fixed random one shared by all layers.
+    ``delayed``: scale the per-tensor operands from an amax history (:mod:`fp4lab.delayed`);
+    the GEMM then needs ``amax_history=``.
     """
 
     name: str
@@ -89,11 +93,24 @@ class Recipe:
     wgrad_dy: OperandQuant = _op()
     backward: Literal["quantized", "ste"] = "quantized"
     hadamard_signs: str | int = "te"
+    delayed: DelayedScaling | None = None
     follows: str = ""
 
     def __post_init__(self):
         if self.backward not in ("quantized", "ste"):
             raise ValueError(f"backward={self.backward!r} is not 'quantized' or 'ste'")
+        if self.delayed is not None and not self.delayed_operands:
+            raise ValueError(f"recipe {self.name}: delayed scaling needs a per-tensor operand "
+                             "format (fp8_e4m3, fp8_e5m2, ...); none of its operands has one")
+
+    @property
+    def delayed_operands(self) -> tuple[str, ...]:
+        """The operands scaled from the amax history (per-tensor formats, when ``delayed``)."""
+        if self.delayed is None:
+            return ()
+        used = self.operands if self.backward == "quantized" else {
+            k: v for k, v in self.operands.items() if k in ("fprop_x", "fprop_w")}
+        return tuple(k for k, v in used.items() if v.format.granularity == "tensor")
 
     @property
     def operands(self) -> dict[str, OperandQuant]:
@@ -115,7 +132,12 @@ class Recipe:
         if self.backward == "ste":
             return (f"QAT fwd x:{ops['fprop_x'].describe()} w:{ops['fprop_w'].describe()}, "
                     "straight-through bwd")
-        return ", ".join(f"{k}:{v.describe()}" for k, v in ops.items())
+        text = ", ".join(f"{k}:{v.describe()}" for k, v in ops.items())
+        if self.delayed:
+            d = self.delayed
+            text += (f"; delayed scaling (history {d.history_len}, {d.amax_compute_algo}, "
+                     f"margin {d.margin})")
+        return text
 
 
 def _uniform(name, fmt, follows, **kw) -> Recipe:
@@ -150,8 +172,17 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         fprop_x=_op("fp8_e4m3"), fprop_w=_op("fp8_e4m3"),
         dgrad_dy=_op("fp8_e5m2"), dgrad_w=_op("fp8_e4m3"),
         wgrad_x=_op("fp8_e4m3"), wgrad_dy=_op("fp8_e5m2"),
-        follows="TE 'HYBRID' FP8 with per-tensor current scaling (TE's default is delayed "
-                "scaling from an amax history; fp4lab uses the current amax)",
+        follows="TE 'HYBRID' FP8 with per-tensor current scaling (Float8CurrentScaling; "
+                "fp8_delayed is the same with TE's delayed scaling)",
+    ),
+    Recipe(
+        name="fp8_delayed",
+        fprop_x=_op("fp8_e4m3"), fprop_w=_op("fp8_e4m3"),
+        dgrad_dy=_op("fp8_e5m2"), dgrad_w=_op("fp8_e4m3"),
+        wgrad_x=_op("fp8_e4m3"), wgrad_dy=_op("fp8_e5m2"),
+        delayed=DelayedScaling(),
+        follows="TE's classic FP8 recipe: 'HYBRID' formats, per-tensor scales from a "
+                "1024-step amax history (DelayedScaling: amax_compute_algo='max', margin 0)",
     ),
     Recipe(
         name="fp8_blockwise",

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fp4lab.delayed import init_history
 from fp4lab.policy import PrecisionPolicy, check_unused, explain
 from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
@@ -42,6 +43,20 @@ def _linen_probe(module: nn.Module):
     return None
 
 
+def _linen_history(module: nn.Module, recipe: Recipe):
+    """The layer's amax history (the ``"amax_history"`` collection; see
+    :meth:`QuantizedLinen.history_init`) when its recipe uses delayed scaling."""
+    if recipe.delayed is None:
+        return None
+    if module.has_variable("amax_history", "gemm"):
+        return module.get_variable("amax_history", "gemm")
+    if module.is_initializing():  # init's outputs only fix shapes
+        return init_history(recipe.delayed)
+    raise ValueError(f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
+                     "delayed scaling: pass its amax history in the 'amax_history' collection "
+                     "(QuantizedLinen.history_init gives the first one)")
+
+
 @contextlib.contextmanager
 def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
     """Route a Linen ``Dense``/``DenseGeneral``'s ``dot_general`` through ``qdot_general`` for
@@ -51,7 +66,8 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
                     out_sharding=None):
         return qdot_general(lhs, rhs, dimension_numbers, recipe,
                             key=_linen_key(module, recipe), probe=_linen_probe(module),
-                            backend=backend, preferred_element_type=preferred_element_type,
+                            amax_history=_linen_history(module, recipe), backend=backend,
+                            preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
     saved = module.dot_general, module.dot_general_cls
@@ -75,8 +91,8 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
     y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
-                probe=_linen_probe(module), backend=backend,
-                preferred_element_type=module.preferred_element_type)
+                probe=_linen_probe(module), amax_history=_linen_history(module, recipe),
+                backend=backend, preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
 
@@ -202,6 +218,24 @@ class QuantizedLinen:
             for part in path.split("/"):
                 d = d.setdefault(part, {})
             d["gemm"] = probe_zeros()
+        return out
+
+    def history_init(self, variables, *args, **kwargs) -> dict:
+        """The first ``"amax_history"`` collection for :meth:`apply`: for every governed
+        layer whose recipe uses delayed scaling (``fp8_delayed``), its
+        ``fp4lab.delayed.init_history``, nested like the parameters. Pass
+        ``{**variables, "amax_history": h}``, differentiate the loss with respect to ``h``
+        too, and ``fp4lab.delayed.update(h, grad)`` gives the next step's."""
+        num_blocks = self._num_blocks(variables)
+        out: dict = {}
+        for path, kind in self.layers(variables, *args, **kwargs):
+            recipe = self.policy.recipe_for(path, kind, num_blocks)
+            if recipe.delayed is None:
+                continue
+            d = out
+            for part in path.split("/"):
+                d = d.setdefault(part, {})
+            d["gemm"] = init_history(recipe.delayed)
         return out
 
     def explain(self, variables, *args, strict: bool | None = None, **kwargs):

@@ -9,16 +9,31 @@ from __future__ import annotations
 
 from flax import nnx
 
+from fp4lab.delayed import init_history, update
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
-__all__ = ["QuantDot", "QuantEinsum", "QLinear", "QLinearGeneral", "QEinsum", "HOOKS", "KINDS"]
+__all__ = ["QuantDot", "QuantEinsum", "QLinear", "QLinearGeneral", "QEinsum", "HOOKS", "KINDS",
+           "AmaxHistory", "update_amax_history"]
 
+
+
+class AmaxHistory(nnx.Variable):
+    """A layer's FP8 amax history (recipes with delayed scaling; :mod:`fp4lab.delayed`)."""
+
+
+def update_amax_history(model: nnx.Module, grads) -> None:
+    """Roll this step's amaxes into every :class:`AmaxHistory` of ``model``, in place.
+    ``grads``: the gradient state of a ``nnx.grad`` whose ``argnums`` include the histories,
+    e.g. ``nnx.DiffState(0, nnx.Any(nnx.Param, AmaxHistory))``."""
+    history = nnx.state(model, AmaxHistory)
+    nnx.update(model, update(history, nnx.state(grads, AmaxHistory)))
 
 
 class QuantDot(nnx.Module):
     """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``; stochastic
-    rounding draws from its own ``quant`` stream (from ``rngs.quant`` if given, else ``seed``)."""
+    rounding draws from its own ``quant`` stream (from ``rngs.quant`` if given, else ``seed``).
+    A recipe with delayed scaling gets an :class:`AmaxHistory` (``amax_history``)."""
 
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
                  backend: str = "auto"):
@@ -26,14 +41,20 @@ class QuantDot(nnx.Module):
         self.backend = backend
         self.rngs = nnx.Rngs(quant=rngs.quant() if rngs is not None and "quant" in rngs
                              else seed)
+        if self.recipe.delayed is not None:
+            self.amax_history = AmaxHistory(init_history(self.recipe.delayed))
 
     def _key(self):
         return self.rngs.quant() if self.recipe.needs_key else None
 
+    def _history(self):
+        return self.amax_history[...] if self.recipe.delayed is not None else None
+
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
         return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
-                            backend=self.backend, preferred_element_type=preferred_element_type,
+                            amax_history=self._history(), backend=self.backend,
+                            preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
 
@@ -42,8 +63,8 @@ class QuantEinsum(QuantDot):
 
     def __call__(self, spec, a, b, precision=None, preferred_element_type=None,
                  out_sharding=None):
-        return qeinsum(spec, a, b, self.recipe, key=self._key(), backend=self.backend,
-                       preferred_element_type=preferred_element_type,
+        return qeinsum(spec, a, b, self.recipe, key=self._key(), amax_history=self._history(),
+                       backend=self.backend, preferred_element_type=preferred_element_type,
                        out_sharding=out_sharding)
 
 

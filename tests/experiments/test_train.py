@@ -187,3 +187,31 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tiny, corpus_d
     assert sorted(p.name for p in ckpt.iterdir()) == ["4"]  # saved, nothing half-written
     assert main(args) == 0  # resumes and finishes
     assert [s for s, _ in losses(tmp_path / "run")] == list(range(12))
+
+
+@pytest.mark.slow
+def test_fp8_delayed_scaling_carries_its_history_through_checkpoints(tiny, text, tmp_path):
+    tiny.precision.policy = "fp8_delayed"  # TE's classic FP8: scales from an amax history
+    full = train(tiny, tmp_path / "full", data=text, progress=False)
+    assert full["status"] == "ok" and np.isfinite(full["val_loss"])
+
+    @dataclasses.dataclass
+    class Stops(type(text)):
+        stop_at: int = 10**9
+
+        def batch(self, seed, step, batch_size, seq_len):
+            if step == self.stop_at:
+                raise KeyError("stop")
+            return super().batch(seed, step, batch_size, seq_len)
+
+    data = Stops(text.train, text.val, text.files, text.source, stop_at=8)
+    with pytest.raises(KeyError):
+        train(tiny, tmp_path / "resumed", data=data, progress=False)
+    data.stop_at = 10**9
+    resumed = train(tiny, tmp_path / "resumed", data=data, progress=False)
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")  # the history resumed too
+    assert resumed["val_loss"] == full["val_loss"]
+    current = tiny.copy_and_resolve_references()
+    current.precision.policy = "fp8_hybrid"  # the same formats with current scaling differ
+    assert train(current, tmp_path / "current", data=text, progress=False)["val_loss"] != \
+        full["val_loss"]

@@ -22,15 +22,26 @@ def data(m=48, k=64, n=32, dtype=jnp.bfloat16):
     return x, w, g
 
 
-def oracle_operand(v, op, axis, key, signs="te"):
-    """The operand as the recipe spec says, composed explicitly from the public API."""
+def oracle_operand(v, op, axis, key, signs="te", amax=None):
+    """The operand as the recipe spec says, composed explicitly from the public API
+    (``amax``: the delayed-scaling amax of a per-tensor operand)."""
     if op.hadamard:
         v = rht(v, axis, op.hadamard, signs)
     if op.format.is_passthrough:
         return v.astype(op.format.element.storage)
     q = fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                        tile=op.tile, rounding=op.rounding, key=key)
+                        tile=op.tile, rounding=op.rounding, key=key, global_amax=amax)
     return fp4lab.dequantize(q)
+
+
+def history_for(recipe):
+    """An amax history whose maximum differs per operand (None: no delayed scaling)."""
+    r = get_recipe(recipe)
+    if r.delayed is None:
+        return None
+    h = np.zeros((6, r.delayed.history_len), np.float32)
+    h[:, 3] = [2.5, 0.125, 1.75, 0.0625, 3.5, 0.5]
+    return jnp.asarray(h)
 
 
 def dot(a, b):
@@ -43,17 +54,19 @@ def oracle(x, w, g, recipe, key):
     """(y, dx, dw) for Y = X W with X (M,K), W (K,N), dY (M,N); keys fold_in(key, 0..5)."""
     r = get_recipe(recipe)
     k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
-    xq = oracle_operand(x, r.fprop_x, 1, k[0])
-    wq = oracle_operand(w, r.fprop_w, 0, k[1])
+    h = history_for(r)
+    a = [None if h is None else jnp.max(h[i]) for i in range(6)]
+    xq = oracle_operand(x, r.fprop_x, 1, k[0], amax=a[0])
+    wq = oracle_operand(w, r.fprop_w, 0, k[1], amax=a[1])
     y = dot(xq, wq)
     if r.backward == "ste":
         return y, dot(g, wq.T), dot(xq.T, g)
-    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2])
+    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], amax=a[2])
     wq2 = wq if (r.fprop_w.tile and r.fprop_w == r.dgrad_w) else oracle_operand(
-        w, r.dgrad_w, 1, k[3])
+        w, r.dgrad_w, 1, k[3], amax=a[3])
     dx = dot(dyq, wq2.T)
-    xq3 = oracle_operand(x, r.wgrad_x, 0, k[4], r.hadamard_signs)
-    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.hadamard_signs)
+    xq3 = oracle_operand(x, r.wgrad_x, 0, k[4], r.hadamard_signs, amax=a[4])
+    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.hadamard_signs, amax=a[5])
     return y, dx, dot(xq3.T, dyq3)
 
 
@@ -73,7 +86,8 @@ def assert_equal_up_to_sum_order(a, b):
 
 
 def run(x, w, g, recipe, key):
-    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe, key=key,
+    h = history_for(recipe)
+    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe, key=key, amax_history=h,
                                                preferred_element_type=jnp.float32), x, w)
     dx, dw = vjp(g.astype(jnp.float32))
     return y, dx, dw
