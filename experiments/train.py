@@ -255,12 +255,13 @@ def _probe_records(probe_grads) -> dict:
 
     def walk(d, prefix):
         for k, v in d.items():
-            if k == "gemm":
-                a = np.asarray(v)
-                out["/".join(prefix)] = {op: {m: float(a[i, j]) for j, m in enumerate(METRIC_NAMES)}
-                                         for i, op in enumerate(OPERANDS)}
-            else:
+            if isinstance(v, dict):
                 walk(v, prefix + [k])
+                continue
+            a = np.asarray(v)  # a layer's "gemm", or an intercepted op's (einsum_0, ...)
+            name = "/".join(prefix if k == "gemm" else prefix + [k])
+            out[name] = {op: {m: float(a[i, j]) for j, m in enumerate(METRIC_NAMES)}
+                         for i, op in enumerate(OPERANDS)}
 
     walk(probe_grads, [])
     return out
@@ -538,7 +539,8 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         "platform": devices[0].platform,
         "underflow_by_kind": underflow_by_kind(summary),
         "probe_summary": summary,
-        "layers": {a.path: a.recipe.name for a in qmodel.explain({"params": params}, sample)},
+        "layers": {a.path: a.recipe.name if a.recipe else "-"
+                   for a in qmodel.explain({"params": params}, sample)},
         "config_changes": read_jsonl(changes_path),
     }
     write_json_atomic(out / "result.json", result)

@@ -33,13 +33,15 @@ from fp4lab.recipe import Recipe, get_recipe
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "explain", "PRESETS",
            "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
            "policy_from_dict", "load_policy", "save_policy", "block_pattern_for",
-           "PolicyWarning", "LAYER_KINDS", "check_unused"]
+           "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "check_unused"]
 
 # a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...)
 DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)"
                          r"[_./]?(\d+)(?=/|$)")
-# the kinds of layer a rule can name: fp4lab.flax's Linen and NNX layer classes, lower case
-LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral")
+# the kinds of GEMM a rule can name: fp4lab.flax's Linen and NNX layer classes, lower case,
+# and the calls inside modules that fp4lab.flax intercepts (OP_KINDS)
+OP_KINDS = ("lax.dot_general", "jnp.einsum")
+LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + OP_KINDS
 
 
 class PolicyWarning(UserWarning):
@@ -138,7 +140,7 @@ class Assignment:
     path: str
     kind: str | None
     block: int | None
-    recipe: Recipe
+    recipe: Recipe | None  # None: an intercepted call no op rule quantizes
     rule: int | None  # index of the rule that matched; None = default
 
 
@@ -158,10 +160,12 @@ class PrecisionPolicy:
         return int(m.group(1)) if m else None
 
     def assign(self, path: str, kind: str | None = None,
-               num_blocks: int | None = None) -> Assignment:
+               num_blocks: int | None = None, *, _op: bool = False) -> Assignment:
         """The recipe for one layer (the first matching rule, else the default)."""
         block = self.block_of(path)
         for i, r in enumerate(self.rules):
+            if _op and r.kind != kind:  # an intercepted call: rules of its op kind only
+                continue
             if not re.fullmatch(r.pattern, path):
                 continue
             if r.kind is not None and r.kind != kind:
@@ -178,6 +182,19 @@ class PrecisionPolicy:
                     continue
             return Assignment(path, kind, block, r.recipe, i)
         return Assignment(path, kind, block, self.default, None)
+
+    @property
+    def governs_ops(self) -> bool:
+        """True when a rule names an op kind: calls inside modules are then intercepted."""
+        return any(r.kind in OP_KINDS for r in self.rules)
+
+    def assign_op(self, path: str, kind: str, num_blocks: int | None = None
+                  ) -> Assignment | None:
+        """The recipe for an intercepted call (``jnp.einsum``, ``lax.dot_general``) at
+        ``path``: only rules of that op kind apply (never the default, never a layer rule);
+        ``None`` when none matches (the call runs unquantized)."""
+        a = self.assign(path, kind, num_blocks, _op=True)
+        return None if a.rule is None else a
 
     def recipe_for(self, path: str, kind: str | None = None,
                    num_blocks: int | None = None) -> Recipe:
@@ -203,12 +220,15 @@ class ExplainTable(list):
     def __str__(self):
         w = max([len(a.path) for a in self] + [5])
         lines = [f"policy {self.policy.name}: {len(self)} layers",
-                 f"{'layer'.ljust(w)}  {'kind':13s}  {'block':>5}  {'recipe':16s}  rule"]
+                 f"{'layer'.ljust(w)}  {'kind':15s}  {'block':>5}  {'recipe':16s}  rule"]
         for a in self:
             rule = "default" if a.rule is None else self.policy.rules[a.rule].label()
+            if a.recipe is None:
+                rule = "no rule of this op kind: not quantized"
             blk = "-" if a.block is None else str(a.block)
-            lines.append(f"{a.path.ljust(w)}  {a.kind or '-':13s}  {blk:>5}  "
-                         f"{a.recipe.name:16s}  {rule}")
+            recipe = "-" if a.recipe is None else a.recipe.name
+            lines.append(f"{a.path.ljust(w)}  {a.kind or '-':15s}  {blk:>5}  "
+                         f"{recipe:16s}  {rule}")
         for i in self.unused:
             r = self.policy.rules[i]
             what = "UNUSED rule" if r.required else "unused optional rule"
@@ -238,6 +258,14 @@ def check_unused(policy: PrecisionPolicy, assignments, *, strict: bool = False,
     return unused
 
 
+def _assign_any(policy: PrecisionPolicy, path: str, kind, num_blocks) -> Assignment:
+    """A layer's assignment, or an intercepted call's (``recipe=None``: not quantized)."""
+    if kind in OP_KINDS:
+        a = policy.assign_op(path, kind, num_blocks)
+        return a or Assignment(path, kind, policy.block_of(path), None, None)
+    return policy.assign(path, kind, num_blocks)
+
+
 def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
             strict: bool = False, block: str | None = None) -> ExplainTable:
     """Resolve ``policy`` over ``layers`` and return the assignments (print it for a table).
@@ -259,7 +287,7 @@ def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
     pairs = [(p, None) if isinstance(p, str) else tuple(p) for p in layers]
     if num_blocks is None:
         num_blocks = policy.infer_num_blocks(p for p, _ in pairs)
-    rows = [policy.assign(p, k, num_blocks) for p, k in pairs]
+    rows = [_assign_any(policy, p, k, num_blocks) for p, k in pairs]
     used = {a.rule for a in rows}
     unused = [i for i in range(len(policy.rules)) if i not in used]
     if strict:

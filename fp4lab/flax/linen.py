@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fp4lab.delayed import init_history
-from fp4lab.policy import PrecisionPolicy, check_unused, explain
+from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
 from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
@@ -129,6 +130,113 @@ class QEinsum(nn.Einsum):
         return _linen_einsum(self, get_recipe(self.recipe), inputs, einsum_str, self.backend)
 
 
+# ----------------------------------------------------------------------------- op interception
+
+
+class _OpCalls:
+    """While active (in this thread), ``jax.lax.dot_general`` and ``jnp.einsum`` calls made
+    inside Linen modules go to a handler: ``handler(kind, original, args, kwargs)``. The two
+    names are patched only while some thread has a handler; calls from other threads, and
+    the calls the handler itself makes (fp4lab's own GEMMs use ``lax.dot_general``), go to
+    the originals. Only calls through these attributes are seen: ``x @ w`` and
+    ``jnp.matmul`` are not."""
+
+    _local = threading.local()
+    _lock = threading.Lock()
+    _active = 0
+    _originals: dict = {}
+
+    @classmethod
+    def _wrapper(cls, kind):
+        def call(*args, **kwargs):
+            original = cls._originals[kind]
+            handler = getattr(cls._local, "handler", None)
+            if handler is None or getattr(cls._local, "busy", False):
+                return original(*args, **kwargs)
+            cls._local.busy = True
+            try:
+                return handler(kind, original, args, kwargs)
+            finally:
+                cls._local.busy = False
+
+        return call
+
+    @classmethod
+    @contextlib.contextmanager
+    def intercepted(cls, handler):
+        with cls._lock:
+            if cls._active == 0:
+                cls._originals = {"lax.dot_general": jax.lax.dot_general,
+                                  "jnp.einsum": jnp.einsum}
+                jax.lax.dot_general = cls._wrapper("lax.dot_general")
+                jnp.einsum = cls._wrapper("jnp.einsum")
+            cls._active += 1
+        previous = getattr(cls._local, "handler", None)
+        cls._local.handler = handler
+        try:
+            yield
+        finally:
+            cls._local.handler = previous
+            with cls._lock:
+                cls._active -= 1
+                if cls._active == 0:
+                    jax.lax.dot_general = cls._originals["lax.dot_general"]
+                    jnp.einsum = cls._originals["jnp.einsum"]
+
+
+def _calling_module():
+    """The Linen module whose method is running (None outside any)."""
+    from flax.linen.module import _context
+
+    return _context.module_stack[-1] if _context.module_stack else None
+
+
+class _OpNamer:
+    """Names intercepted calls ``<module path>/einsum_<n>`` / ``.../dot_general_<n>``, n
+    counting that module's calls of that kind in one apply (call order)."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def __call__(self, kind, args, kwargs):
+        m = _calling_module()
+        if m is None or type(m) in KINDS or isinstance(m, (QDense, QDenseGeneral, QEinsum)):
+            return None  # outside modules, or inside a layer its own hook quantizes
+        path = "/".join(m.scope.path)
+        short = "einsum" if kind == "jnp.einsum" else "dot_general"
+        n = self.counts.get((path, short), 0)
+        self.counts[(path, short)] = n + 1
+        name = f"{short}_{n}"
+        return m, name, f"{path}/{name}" if path else name
+
+
+def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
+    """An intercepted call through qeinsum / qdot_general (first operand X, second W)."""
+    probe = module.get_variable("probes", name) if module.has_variable("probes", name) else None
+    hist = None
+    if recipe.delayed is not None:
+        if module.has_variable("amax_history", name):
+            hist = module.get_variable("amax_history", name)
+        elif not module.is_initializing():
+            raise ValueError(f"op {op_path} uses recipe {recipe.name} with delayed scaling: "
+                             "pass its history in the 'amax_history' collection")
+        else:
+            hist = init_history(recipe.delayed)
+    key = _linen_key(module, recipe)
+    kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
+    if kind == "jnp.einsum":
+        spec, *operands = args
+        if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:
+            raise ValueError(f"op {op_path}: a policy rule quantizes it, but "
+                             f"jnp.einsum({spec!r}, ...) with {len(operands)} operands is not a "
+                             "two-operand einsum with an explicit '->' output")
+        return qeinsum(spec, *operands, recipe, key=key, probe=probe, amax_history=hist,
+                       backend=backend, **kw)
+    lhs, rhs, dims = args[:3]
+    return qdot_general(lhs, rhs, dims, recipe, key=key, probe=probe, amax_history=hist,
+                        backend=backend, **kw)
+
+
 def _hooked_call(module, recipe, backend, next_fun, args, kwargs):
     with _dot_general_hook(module, recipe, backend):
         return next_fun(*args, **kwargs)
@@ -182,7 +290,24 @@ class QuantizedLinen:
             met[path] = a = self.policy.assign(path, kind, num_blocks)
             return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
-        with nn.intercept_methods(intercept):
+        namer = _OpNamer()
+
+        def op(kind, original, args, kwargs):
+            found = namer(kind, args, kwargs)
+            if found is None or found[0].is_initializing():
+                return original(*args, **kwargs)
+            module, name, op_path = found
+            a = self.policy.assign_op(op_path, kind, num_blocks)
+            if a is None:
+                return original(*args, **kwargs)
+            met[op_path] = a
+            return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
+                                 kwargs)
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(nn.intercept_methods(intercept))
+            if self.policy.governs_ops:
+                stack.enter_context(_OpCalls.intercepted(op))
             out = self.model.apply(variables, *args, **kwargs)
         if met and (self.strict or not self._checked):
             self._checked = True
@@ -200,8 +325,19 @@ class QuantizedLinen:
                 found.setdefault("/".join(context.module.scope.path), kind)
             return next_fun(*args, **kwargs)
 
+        namer = _OpNamer()
+
+        def record_op(kind, original, args, kwargs):
+            named = namer(kind, args, kwargs)
+            if named is not None:
+                found.setdefault(named[2], kind)
+            return original(*args, **kwargs)
+
         def run(variables, *args):
-            with nn.intercept_methods(record):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(nn.intercept_methods(record))
+                if self.policy.governs_ops:
+                    stack.enter_context(_OpCalls.intercepted(record_op))
                 return self.model.apply(variables, *args, **kwargs)
 
         jax.eval_shape(run, variables, *args)
@@ -213,11 +349,8 @@ class QuantizedLinen:
         with respect to ``probes``: its gradient holds every layer's GEMM-operand numerics
         (rows: ``fp4lab.qdot.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
         out: dict = {}
-        for path, _ in self.layers(variables, *args, **kwargs):
-            d = out
-            for part in path.split("/"):
-                d = d.setdefault(part, {})
-            d["gemm"] = probe_zeros()
+        for path, kind in self.layers(variables, *args, **kwargs):
+            _put(out, path, kind, probe_zeros())
         return out
 
     def history_init(self, variables, *args, **kwargs) -> dict:
@@ -229,13 +362,13 @@ class QuantizedLinen:
         num_blocks = self._num_blocks(variables)
         out: dict = {}
         for path, kind in self.layers(variables, *args, **kwargs):
-            recipe = self.policy.recipe_for(path, kind, num_blocks)
-            if recipe.delayed is None:
-                continue
-            d = out
-            for part in path.split("/"):
-                d = d.setdefault(part, {})
-            d["gemm"] = init_history(recipe.delayed)
+            if kind in OP_KINDS:
+                a = self.policy.assign_op(path, kind, num_blocks)
+                recipe = None if a is None else a.recipe
+            else:
+                recipe = self.policy.recipe_for(path, kind, num_blocks)
+            if recipe is not None and recipe.delayed is not None:
+                _put(out, path, kind, init_history(recipe.delayed))
         return out
 
     def explain(self, variables, *args, strict: bool | None = None, **kwargs):
@@ -246,6 +379,18 @@ class QuantizedLinen:
                        strict=self.strict if strict is None else strict)
 
 
+
+
+def _put(tree: dict, path: str, kind: str, value) -> None:
+    """A layer's variable goes to ``<path>/gemm``; an intercepted op's to its module as the
+    op's name (``<module path>/einsum_0``)."""
+    parts = path.split("/")
+    if kind not in OP_KINDS:
+        parts.append("gemm")
+    d = tree
+    for part in parts[:-1]:
+        d = d.setdefault(part, {})
+    d[parts[-1]] = value
 
 
 def param_layers(variables) -> list[tuple[str, None]]:

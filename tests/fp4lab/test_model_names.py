@@ -62,6 +62,7 @@ class AttnModel(nn.Module):
         return nn.Dense(8)(x)
 
 
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated:DeprecationWarning")
 def test_linen_attention_modules_are_recognised_by_their_automatic_names():
     model, x = AttnModel(), jnp.ones((1, 4, 32))
     params = model.init(jax.random.key(0), x)
