@@ -26,8 +26,8 @@ import math
 import re
 from pathlib import Path
 
-from experiments.train import layer_order, train, write_json_atomic
-from fp4lab.policy import PrecisionPolicy, Rule, explain, policy_to_dict
+from experiments.train import layer_order, train
+from fp4lab.policy import PrecisionPolicy, Rule, explain, save_policy
 from fp4lab.qdot import OPERANDS
 from fp4lab.recipe import get_recipe
 
@@ -143,7 +143,7 @@ def main(argv=None):
                                progress=not args.quiet)
     out = Path(args.out or Path(args.workdir) / "policy.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, policy_to_dict(policy))
+    save_policy(policy, out)
     for layer, (recipe, why) in chosen.items():
         print(f"{layer:28s} {recipe:8s} {why}")
     print(explain(policy, list(chosen)))

@@ -267,10 +267,16 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
     """The history's "gradient": this step's amaxes in column 0 (see fp4lab.delayed)."""
     if history is None:
         return None
-    observed = [
-        _observed(tensors[name], op, _AXES[name], recipe.hadamard_signs)
-        if name in recipe.delayed_operands else jnp.float32(0)
-        for name, op in recipe.operands.items()]
+    seen: dict = {}  # x, w and dy each serve two operands: one amax per tensor and transform
+    observed = []
+    for name, op in recipe.operands.items():
+        if name not in recipe.delayed_operands:
+            observed.append(jnp.float32(0))
+            continue
+        k = (id(tensors[name]), op.hadamard, _AXES[name] if op.hadamard else None)
+        if k not in seen:
+            seen[k] = _observed(tensors[name], op, _AXES[name], recipe.hadamard_signs)
+        observed.append(seen[k])
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
 

@@ -37,25 +37,27 @@ def _linen_key(module: nn.Module, recipe: Recipe):
     return module.make_rng("quant")
 
 
-def _linen_probe(module: nn.Module):
-    """The layer's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed one."""
-    if module.has_variable("probes", "gemm"):
-        return module.get_variable("probes", "gemm")
+def _linen_probe(module: nn.Module, name: str = "gemm"):
+    """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed one:
+    variable ``name`` of ``module`` (``"gemm"`` for a layer, ``"einsum_0"``... for a call)."""
+    if module.has_variable("probes", name):
+        return module.get_variable("probes", name)
     return None
 
 
-def _linen_history(module: nn.Module, recipe: Recipe):
-    """The layer's amax history (the ``"amax_history"`` collection; see
+def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
+    """The GEMM's amax history (the ``"amax_history"`` collection; see
     :meth:`QuantizedLinen.history_init`) when its recipe uses delayed scaling."""
     if recipe.delayed is None:
         return None
-    if module.has_variable("amax_history", "gemm"):
-        return module.get_variable("amax_history", "gemm")
+    if module.has_variable("amax_history", name):
+        return module.get_variable("amax_history", name)
     if module.is_initializing():  # init's outputs only fix shapes
         return init_history(recipe.delayed)
-    raise ValueError(f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
-                     "delayed scaling: pass its amax history in the 'amax_history' collection "
-                     "(QuantizedLinen.history_init gives the first one)")
+    where = "/".join(module.scope.path) + ("" if name == "gemm" else f"/{name}")
+    raise ValueError(f"{where} uses recipe {recipe.name} with delayed scaling: pass its amax "
+                     "history in the 'amax_history' collection (QuantizedLinen.history_init "
+                     "gives the first one)")
 
 
 @contextlib.contextmanager
@@ -212,16 +214,7 @@ class _OpNamer:
 
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call through qeinsum / qdot_general (first operand X, second W)."""
-    probe = module.get_variable("probes", name) if module.has_variable("probes", name) else None
-    hist = None
-    if recipe.delayed is not None:
-        if module.has_variable("amax_history", name):
-            hist = module.get_variable("amax_history", name)
-        elif not module.is_initializing():
-            raise ValueError(f"op {op_path} uses recipe {recipe.name} with delayed scaling: "
-                             "pass its history in the 'amax_history' collection")
-        else:
-            hist = init_history(recipe.delayed)
+    probe, hist = _linen_probe(module, name), _linen_history(module, recipe, name)
     key = _linen_key(module, recipe)
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
     if kind == "jnp.einsum":

@@ -1,4 +1,5 @@
-"""fp4lab.metrics: known values on constructed tensors, and the docs/numerics.md reference figures."""
+"""fp4lab.metrics: known values on constructed tensors, and the reference figures of
+docs/numerics.md."""
 
 import jax
 import jax.numpy as jnp

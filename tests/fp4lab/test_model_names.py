@@ -139,7 +139,8 @@ def test_custom_policy_typos_warn_or_raise():
     params = model.init(jax.random.key(0), x)
     typo = PrecisionPolicy(rules=(Rule(recipe="bf16", pattern=".*/mlp_dwon"),), name="mine")
     qm = quantize_model(model, typo)
-    with pytest.warns(PolicyWarning, match=r"policy mine: rules matched no layer: '/\.\*/mlp_dwon/'"):
+    with pytest.warns(PolicyWarning,
+                      match=r"policy mine: rules matched no layer: '/\.\*/mlp_dwon/'"):
         qm.apply(params, x)
     strict = quantize_model(model, typo, strict=True)
     with pytest.raises(ValueError, match="mlp_dwon"):
