@@ -16,6 +16,10 @@ model, leaving its parameters (objects, names, values) untouched, so checkpoints
 * Linen: returns a :class:`~fp4lab.flax.linen.QuantizedLinen` whose ``apply`` intercepts every
   ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` call.
 
+Rules of an op kind (``jnp.einsum``, ``lax.dot_general``) quantize the calls made inside
+modules (attention's products, custom code; :mod:`fp4lab.flax.ops`): Linen finds them at every
+``apply``, NNX from example inputs given to ``quantize_model``.
+
 Layers that are already fp4lab layers keep their own recipe. Layer kinds for policy rules are
 the Flax class names in lower case: ``dense``, ``densegeneral``, ``einsum`` (Linen);
 ``linear``, ``lineargeneral``, ``einsum`` (NNX).
@@ -43,26 +47,44 @@ from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's
 from fp4lab.flax import linen as _linen
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
-from fp4lab.flax.nnx import QLinear, QLinearGeneral, QuantDot, QuantEinsum
-from fp4lab.policy import PrecisionPolicy, check_unused, get_policy
+from fp4lab.flax.nnx import OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp
+from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, get_policy
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
-           "QuantDot", "QuantEinsum", "quantize_model", "linear_layers"]
+           "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:
     """``(path, kind)`` of every layer a policy governs: for an NNX module every
-    Linear/LinearGeneral/Einsum (fp4lab's layers included); for Linen variables every
-    sub-dict holding a ``kernel`` of rank >= 2, with kind ``None``."""
-    if isinstance(model, flax_nnx.Module):
-        return [("/".join(map(str, path)), _nnx.KINDS[type(m)])
-                for path, m in flax_nnx.iter_modules(model) if type(m) in _nnx.KINDS]
-    return _linen.param_layers(model)
+    Linear/LinearGeneral/Einsum (fp4lab's layers included) and every call that
+    ``quantize_model`` quantized inside a module (kind ``jnp.einsum`` / ``lax.dot_general``);
+    for Linen variables every sub-dict holding a ``kernel`` of rank >= 2, with kind ``None``."""
+    if not isinstance(model, flax_nnx.Module):
+        return _linen.param_layers(model)
+    out = []
+    for path, m in flax_nnx.iter_modules(model):
+        name = "/".join(map(str, path))
+        if type(m) in _nnx.KINDS:
+            out.append((name, _nnx.KINDS[type(m)]))
+        for call, op in getattr(m, _nnx.OPS_ATTR, {}).items():
+            out.append((f"{name}/{call}" if name else call, op.kind))
+    return out
 
 
-def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int | None = None,
-                   seed: int = 0, rngs: flax_nnx.Rngs | None = None, backend: str = "auto",
-                   strict: bool = False, block: str | None = None):
+def op_calls(model, *inputs, call_kwargs: dict | None = None) -> list[tuple[str, str]]:
+    """``(path, kind)`` of every ``jnp.einsum`` / ``lax.dot_general`` call that an NNX
+    ``model(*inputs, **call_kwargs)`` makes inside its modules, found by an abstract trace;
+    ``explain(policy, linear_layers(m) + op_calls(m, x))`` then lists the calls no rule
+    quantizes too. (Linen: :meth:`QuantizedLinen.explain` lists them.)"""
+    return [(f"{p}/{n}" if p else n, k)
+            for p, n, k, _ in _nnx.find_op_calls(model, inputs, call_kwargs)]
+
+
+def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
+                   num_blocks: int | None = None, seed: int = 0,
+                   rngs: flax_nnx.Rngs | None = None, backend: str = "auto",
+                   strict: bool = False, block: str | None = None,
+                   call_kwargs: dict | None = None):
     """Apply ``policy`` to a model written without fp4lab (see module docstring).
 
     NNX: installs the quantized hook in every governed layer, in place, and returns the model;
@@ -74,6 +96,13 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int
     from ``apply``'s ``rngs={"quant": key}``).
     ``backend``: which implementation quantizes (:mod:`fp4lab.backend`).
 
+    Calls inside modules (``jnp.einsum``, ``lax.dot_general``) are quantized by rules of an
+    op kind. Linen finds them at every ``apply``. NNX needs example ``inputs`` (their values
+    do not matter; ``jax.ShapeDtypeStruct`` will do) and ``call_kwargs``: ``model(*inputs,
+    **call_kwargs)`` is traced once, abstractly, to find the calls; each quantized call gets
+    a :class:`~fp4lab.flax.nnx.QuantOp` (its SR stream and amax history) in its module's
+    ``fp4lab_ops``, and the model's ``__call__`` intercepts them from then on.
+
     A required rule that matches no layer is a :class:`~fp4lab.policy.PolicyWarning` naming
     the rule (NNX: now; Linen: at the first ``apply``), an error with ``strict=True``.
     ``block``: the name of the block modules when the default pattern does not find them
@@ -83,29 +112,66 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *, num_blocks: int
     if block is not None:
         policy = policy.with_block(block)
     if isinstance(model, nn.Module):
+        if inputs or call_kwargs:
+            raise ValueError("quantize_model: a Linen model finds the calls inside its "
+                             "modules at every apply; pass no example inputs")
         return QuantizedLinen(model, policy, num_blocks, backend, strict)
     if not isinstance(model, flax_nnx.Module):
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
-    num_blocks = num_blocks or policy.infer_num_blocks(p for p, _ in linear_layers(model))
+    num_blocks = num_blocks or policy.infer_num_blocks(
+        p for p, k in linear_layers(model) if k not in OP_KINDS)
     base = None
     if rngs is not None:
         base = rngs.quant() if "quant" in rngs else rngs()
+
+    def gemm(make, path, *args):
+        """The op for the GEMM at ``path``, with its own SR stream."""
+        path_hash = zlib.crc32(f"{seed}/{path}".encode()) & 0x7FFFFFFF
+        if base is None:
+            return make(*args, seed=path_hash, backend=backend)
+        key = jax.random.fold_in(base, path_hash)
+        return make(*args, rngs=flax_nnx.Rngs(quant=key), backend=backend)
+
     assignments = []
     for path, m in list(flax_nnx.iter_modules(model)):
         if type(m) not in _nnx.HOOKS:
             continue
         kind, hook, op = _nnx.HOOKS[type(m)]
         name = "/".join(map(str, path))
-        path_hash = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
         assignments.append(a := policy.assign(name, kind, num_blocks))
-        if base is None:
-            layer = op(a.recipe, seed=path_hash, backend=backend)
-        else:
-            key = jax.random.fold_in(base, path_hash)
-            layer = op(a.recipe, rngs=flax_nnx.Rngs(quant=key), backend=backend)
         # nnx.data: the hook was a static attribute (a function); the op carries rng state
-        setattr(m, hook, flax_nnx.data(layer))
+        hooked = _nnx.stacked(gemm(op, name, a.recipe), _nnx.layer_stack(m))
+        setattr(m, hook, flax_nnx.data(hooked))
+    if policy.governs_ops:
+        assignments += _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm)
     if assignments:
         check_unused(policy, assignments, strict=strict, stacklevel=2)
     return model
+
+
+def _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm) -> list:
+    """Find an NNX model's calls, give each quantized one a QuantOp in its module, and make
+    the model's ``__call__`` intercept them; the calls' assignments."""
+    if not inputs and not call_kwargs:
+        rules = ", ".join(repr(r.label()) for r in policy.rules if r.kind in OP_KINDS)
+        raise ValueError(f"policy {policy.name} quantizes calls inside modules (rules "
+                         f"{rules}): an NNX model needs example inputs to find them, "
+                         "quantize_model(model, policy, x)")
+    modules = {"/".join(map(str, p)): m for p, m in flax_nnx.iter_modules(model)}
+    for m in modules.values():  # a model quantized before: its calls are found afresh
+        if OPS_ATTR in vars(m):
+            delattr(m, OPS_ATTR)
+    ops: dict[str, dict] = {}
+    assignments = []
+    for mpath, name, kind, stack in _nnx.find_op_calls(model, inputs, call_kwargs):
+        path = f"{mpath}/{name}" if mpath else name
+        a = policy.assign_op(path, kind, num_blocks)
+        if a is not None:
+            assignments.append(a)
+            op = gemm(_nnx.QuantOp, path, a.recipe, kind, path)
+            ops.setdefault(mpath, {})[name] = _nnx.stacked(op, stack)
+    for mpath, calls in ops.items():
+        setattr(modules[mpath], OPS_ATTR, flax_nnx.data(calls))
+    _nnx.intercept_ops(model)
+    return assignments

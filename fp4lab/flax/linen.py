@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fp4lab.delayed import init_history
+from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
 from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
@@ -135,57 +135,6 @@ class QEinsum(nn.Einsum):
 # ----------------------------------------------------------------------------- op interception
 
 
-class _OpCalls:
-    """While active (in this thread), ``jax.lax.dot_general`` and ``jnp.einsum`` calls made
-    inside Linen modules go to a handler: ``handler(kind, original, args, kwargs)``. The two
-    names are patched only while some thread has a handler; calls from other threads, and
-    the calls the handler itself makes (fp4lab's own GEMMs use ``lax.dot_general``), go to
-    the originals. Only calls through these attributes are seen: ``x @ w`` and
-    ``jnp.matmul`` are not."""
-
-    _local = threading.local()
-    _lock = threading.Lock()
-    _active = 0
-    _originals: dict = {}
-
-    @classmethod
-    def _wrapper(cls, kind):
-        def call(*args, **kwargs):
-            original = cls._originals[kind]
-            handler = getattr(cls._local, "handler", None)
-            if handler is None or getattr(cls._local, "busy", False):
-                return original(*args, **kwargs)
-            cls._local.busy = True
-            try:
-                return handler(kind, original, args, kwargs)
-            finally:
-                cls._local.busy = False
-
-        return call
-
-    @classmethod
-    @contextlib.contextmanager
-    def intercepted(cls, handler):
-        with cls._lock:
-            if cls._active == 0:
-                cls._originals = {"lax.dot_general": jax.lax.dot_general,
-                                  "jnp.einsum": jnp.einsum}
-                jax.lax.dot_general = cls._wrapper("lax.dot_general")
-                jnp.einsum = cls._wrapper("jnp.einsum")
-            cls._active += 1
-        previous = getattr(cls._local, "handler", None)
-        cls._local.handler = handler
-        try:
-            yield
-        finally:
-            cls._local.handler = previous
-            with cls._lock:
-                cls._active -= 1
-                if cls._active == 0:
-                    jax.lax.dot_general = cls._originals["lax.dot_general"]
-                    jnp.einsum = cls._originals["jnp.einsum"]
-
-
 def _calling_module():
     """The Linen module whose method is running (None outside any)."""
     from flax.linen.module import _context
@@ -193,41 +142,24 @@ def _calling_module():
     return _context.module_stack[-1] if _context.module_stack else None
 
 
-class _OpNamer:
+class _OpNamer(CallCounter):
     """Names intercepted calls ``<module path>/einsum_<n>`` / ``.../dot_general_<n>``, n
     counting that module's calls of that kind in one apply (call order)."""
-
-    def __init__(self):
-        self.counts: dict[tuple[str, str], int] = {}
 
     def __call__(self, kind, args, kwargs):
         m = _calling_module()
         if m is None or type(m) in KINDS or isinstance(m, (QDense, QDenseGeneral, QEinsum)):
             return None  # outside modules, or inside a layer its own hook quantizes
         path = "/".join(m.scope.path)
-        short = "einsum" if kind == "jnp.einsum" else "dot_general"
-        n = self.counts.get((path, short), 0)
-        self.counts[(path, short)] = n + 1
-        name = f"{short}_{n}"
+        name = super().__call__(path, kind)
         return m, name, f"{path}/{name}" if path else name
 
 
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
-    """An intercepted call through qeinsum / qdot_general (first operand X, second W)."""
-    probe, hist = _linen_probe(module, name), _linen_history(module, recipe, name)
-    key = _linen_key(module, recipe)
-    kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
-    if kind == "jnp.einsum":
-        spec, *operands = args
-        if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:
-            raise ValueError(f"op {op_path}: a policy rule quantizes it, but "
-                             f"jnp.einsum({spec!r}, ...) with {len(operands)} operands is not a "
-                             "two-operand einsum with an explicit '->' output")
-        return qeinsum(spec, *operands, recipe, key=key, probe=probe, amax_history=hist,
-                       backend=backend, **kw)
-    lhs, rhs, dims = args[:3]
-    return qdot_general(lhs, rhs, dims, recipe, key=key, probe=probe, amax_history=hist,
-                        backend=backend, **kw)
+    """An intercepted call with its module's key, probe and amax history."""
+    return quantized_call(op_path, kind, recipe, args, kwargs,
+                          key=_linen_key(module, recipe), probe=_linen_probe(module, name),
+                          amax_history=_linen_history(module, recipe, name), backend=backend)
 
 
 def _hooked_call(module, recipe, backend, next_fun, args, kwargs):
@@ -300,7 +232,7 @@ class QuantizedLinen:
         with contextlib.ExitStack() as stack:
             stack.enter_context(nn.intercept_methods(intercept))
             if self.policy.governs_ops:
-                stack.enter_context(_OpCalls.intercepted(op))
+                stack.enter_context(OpCalls.intercepted(op))
             out = self.model.apply(variables, *args, **kwargs)
         if met and (self.strict or not self._checked):
             self._checked = True
@@ -330,7 +262,7 @@ class QuantizedLinen:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(nn.intercept_methods(record))
                 if self.policy.governs_ops:
-                    stack.enter_context(_OpCalls.intercepted(record_op))
+                    stack.enter_context(OpCalls.intercepted(record_op))
                 return self.model.apply(variables, *args, **kwargs)
 
         jax.eval_shape(run, variables, *args)

@@ -7,15 +7,22 @@ carry a recipe and their own SR rng stream, so quantizing a layer never touches 
 
 from __future__ import annotations
 
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fp4lab.delayed import init_history, update
+from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
-__all__ = ["QuantDot", "QuantEinsum", "QLinear", "QLinearGeneral", "QEinsum", "HOOKS", "KINDS",
-           "AmaxHistory", "update_amax_history"]
-
+__all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QLinear", "QLinearGeneral", "QEinsum",
+           "HOOKS", "KINDS", "AmaxHistory", "update_amax_history", "find_op_calls",
+           "intercept_ops", "layer_stack", "stacked", "OPS_ATTR"]
 
 
 class AmaxHistory(nnx.Variable):
@@ -30,10 +37,10 @@ def update_amax_history(model: nnx.Module, grads) -> None:
     nnx.update(model, update(history, nnx.state(grads, AmaxHistory)))
 
 
-class QuantDot(nnx.Module):
-    """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``; stochastic
-    rounding draws from its own ``quant`` stream (from ``rngs.quant`` if given, else ``seed``).
-    A recipe with delayed scaling gets an :class:`AmaxHistory` (``amax_history``)."""
+class _QuantizedGemm(nnx.Module):
+    """What every quantized NNX GEMM carries: a recipe, a backend, its own SR stream (from
+    ``rngs.quant`` if given, else ``seed``) and, for delayed scaling, an
+    :class:`AmaxHistory` (``amax_history``)."""
 
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
                  backend: str = "auto"):
@@ -50,6 +57,10 @@ class QuantDot(nnx.Module):
     def _history(self):
         return self.amax_history[...] if self.recipe.delayed is not None else None
 
+
+class QuantDot(_QuantizedGemm):
+    """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``."""
+
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
         return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
@@ -58,7 +69,7 @@ class QuantDot(nnx.Module):
                             out_sharding=out_sharding)
 
 
-class QuantEinsum(QuantDot):
+class QuantEinsum(_QuantizedGemm):
     """A drop-in ``einsum_op`` for ``nnx.Einsum`` (the input plays X, the kernel W)."""
 
     def __call__(self, spec, a, b, precision=None, preferred_element_type=None,
@@ -66,6 +77,19 @@ class QuantEinsum(QuantDot):
         return qeinsum(spec, a, b, self.recipe, key=self._key(), amax_history=self._history(),
                        backend=self.backend, preferred_element_type=preferred_element_type,
                        out_sharding=out_sharding)
+
+
+class QuantOp(_QuantizedGemm):
+    """The quantized form of one intercepted ``jnp.einsum`` / ``lax.dot_general`` call
+    (``kind``) at ``path``, kept in its module's ``fp4lab_ops`` dict under the call's name."""
+
+    def __init__(self, recipe: str | Recipe, kind: str, path: str, **kwargs):
+        super().__init__(recipe, **kwargs)
+        self.kind, self.path = kind, path
+
+    def __call__(self, args, kwargs):
+        return quantized_call(self.path, self.kind, self.recipe, args, kwargs, key=self._key(),
+                              amax_history=self._history(), backend=self.backend)
 
 
 class QLinear(nnx.Linear):
@@ -105,3 +129,147 @@ KINDS = {QLinear: "linear", QLinearGeneral: "lineargeneral", QEinsum: "einsum",
          **{cls: v[0] for cls, v in HOOKS.items()}}
 
 
+
+
+# ----------------------------------------------------------------------------- op interception
+
+OPS_ATTR = "fp4lab_ops"  # a module's quantized calls: {call name: QuantOp}
+_state = threading.local()  # .active: an intercepting model call is running in this thread
+
+
+def _calling_module():
+    """The NNX module whose method is running: the nearest caller frame whose ``self`` is an
+    ``nnx.Module`` (NNX keeps no module stack; qwix finds the module the same way)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_locals.get("self")
+        if isinstance(module, nnx.Module):
+            return module
+        frame = frame.f_back
+    return None
+
+
+def _handler(record=None):
+    """The op handler of one model call: ``record(module, name, kind)`` when finding calls,
+    else each module's ``fp4lab_ops`` quantizes the calls it names."""
+    counter = CallCounter()
+
+    def op(kind, original, args, kwargs):
+        m = _calling_module()
+        if m is None or type(m) in KINDS or isinstance(m, _QuantizedGemm):
+            return original(*args, **kwargs)  # outside modules, or inside a governed layer
+        name = counter(getattr(m, _PATH_ATTR, id(m)), kind)
+        if record is not None:
+            record(m, name, kind)
+            return original(*args, **kwargs)
+        q = getattr(m, OPS_ATTR, {}).get(name)
+        return original(*args, **kwargs) if q is None else q(args, kwargs)
+
+    return op
+
+
+def _call(call, model, args, kwargs, record=None):
+    """``call(model, *args, **kwargs)`` with its calls intercepted (the outermost of nested
+    intercepting calls counts and quantizes; the inner ones run inside it)."""
+    if getattr(_state, "active", False):
+        return call(model, *args, **kwargs)
+    _state.active = True
+    try:
+        with OpCalls.intercepted(_handler(record)):
+            return call(model, *args, **kwargs)
+    finally:
+        _state.active = False
+
+
+_INTERCEPTING: dict[type, type] = {}
+
+
+def intercept_ops(model: nnx.Module) -> None:
+    """Make ``model``'s ``__call__`` intercept the calls made inside it, in place (its class
+    becomes a subclass, of the same name, whose ``__call__`` does; as qwix does)."""
+    cls = type(model)
+    if getattr(cls, "_fp4lab_intercepts", False):
+        return
+    if cls not in _INTERCEPTING:
+        def __call__(self, *args, **kwargs):
+            return _call(cls.__call__, self, args, kwargs)
+
+        _INTERCEPTING[cls] = type(cls.__name__, (cls,), {
+            "__call__": __call__, "_fp4lab_intercepts": True, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    model.__class__ = _INTERCEPTING[cls]
+
+
+def find_op_calls(model: nnx.Module, args=(), kwargs=None
+                  ) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    """``(module path, call name, kind, stack shape)`` of every ``jnp.einsum`` /
+    ``lax.dot_general`` call that ``model(*args, **kwargs)`` makes inside its modules (the
+    governed layers' own GEMMs excepted), in call order, found by tracing the call abstractly
+    (no computation on the model's state). A module stacked by ``nnx.vmap`` and run under
+    ``nnx.scan`` makes its calls once, from one slice: the stack shape is the leading axes its
+    variables have outside the scan. Array leaves of the inputs (or ``jax.ShapeDtypeStruct``)
+    are traced; other leaves (flags, strings) pass as they are."""
+    kwargs = kwargs or {}
+    leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
+    is_array = [isinstance(v, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for v in leaves]
+    modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
+    found: list[tuple[str, str, str, tuple[int, ...]]] = []
+
+    def record(sub, name, kind):
+        path = getattr(sub, _PATH_ATTR, None)  # static: it survives the transforms' copies
+        if path is not None:
+            found.append((path, name, kind, _stacked_by(modules[path], sub)))
+
+    def run(m, arrays):
+        it = iter(arrays)
+        a, k = jax.tree.unflatten(treedef, [next(it) if arr else v
+                                            for v, arr in zip(leaves, is_array)])
+        return _call(type(m).__call__, m, a, k, record)
+
+    for path, m in modules.items():
+        setattr(m, _PATH_ATTR, path)
+    try:
+        nnx.eval_shape(run, model, [v for v, arr in zip(leaves, is_array) if arr])
+    finally:
+        for m in modules.values():
+            delattr(m, _PATH_ATTR)
+    return found
+
+
+_PATH_ATTR = "_fp4lab_path"
+
+
+def _stacked_by(module: nnx.Module, seen: nnx.Module) -> tuple[int, ...]:
+    """The leading axes ``module``'s variables have that the copy ``seen`` inside a call
+    lacks (``nnx.scan`` over ``nnx.vmap``-stacked blocks); ``()`` when it is not stacked."""
+    for full, part in zip(jax.tree.leaves(nnx.state(module)), jax.tree.leaves(nnx.state(seen))):
+        if full.ndim > part.ndim:
+            return tuple(full.shape[:full.ndim - part.ndim])
+    return ()
+
+
+def layer_stack(layer: nnx.Module) -> tuple[int, ...]:
+    """The leading axes by which a governed layer's kernel is stacked (blocks built with
+    ``nnx.vmap`` for ``nnx.scan``); ``()`` for a plain layer."""
+    if isinstance(layer, nnx.LinearGeneral):
+        n = len(layer.in_features) + len(layer.out_features)
+    elif isinstance(layer, nnx.Einsum):
+        n = len(layer.kernel_shape)
+    else:
+        n = 2
+    shape = layer.kernel.shape
+    return tuple(shape[:len(shape) - n])
+
+
+def stacked(op: nnx.Module, shape: tuple[int, ...]) -> nnx.Module:
+    """``op`` with its state stacked along ``shape``, in place, as ``nnx.vmap`` stacks a
+    block's: each slice gets its own SR key (split from the op's) and the same initial
+    amax history."""
+    if shape:
+        def grow(v):
+            if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
+                return jax.random.split(v, shape)
+            return jnp.broadcast_to(v, shape + v.shape)
+
+        nnx.update(op, jax.tree.map(grow, nnx.state(op)))
+    return op

@@ -1,5 +1,6 @@
-"""Quantizing the jnp.einsum / lax.dot_general calls inside Linen modules (attention's score
-and value products, custom code), named by module path and call, as qwix intercepts them."""
+"""Quantizing the jnp.einsum / lax.dot_general calls inside Linen and NNX modules (attention's
+score and value products, custom code), named by module path and call, as qwix intercepts
+them."""
 
 import warnings
 
@@ -8,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from flax import nnx
 
-from fp4lab.flax import quantize_model
-from fp4lab.policy import PolicyWarning, PrecisionPolicy, Rule
+from fp4lab.flax import linear_layers, op_calls, quantize_model
+from fp4lab.flax.nnx import AmaxHistory, update_amax_history
+from fp4lab.policy import OP_KINDS, PolicyWarning, PrecisionPolicy, Rule, explain
 from fp4lab.qdot import probe_table, qdot_general, qeinsum
 
 
@@ -115,3 +118,195 @@ def test_explain_lists_calls_no_op_rule_quantizes():
     assert row["MultiHeadDotProductAttention_0/einsum_0"].recipe.name == "fp8_hybrid"
     assert row["MultiHeadDotProductAttention_0/einsum_1"].recipe is None
     assert "einsum_1  jnp.einsum" in str(t) and "not quantized" in str(t)
+
+
+# ----------------------------------------------------------------------------- NNX
+
+
+class SelfAttention(nnx.Module):  # written without fp4lab: attention as research code has it
+    def __init__(self, rngs):
+        self.qkv = nnx.Linear(32, 96, rngs=rngs)
+        self.out = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, x):
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        w = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / jnp.sqrt(32.0))
+        return self.out(jnp.einsum("bqk,bkd->bqd", w, v))
+
+
+class NNXMix(nnx.Module):
+    def __init__(self, rngs):
+        self.gate = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.gate(x), (((2,), (2,)), ((0,), (0,))))
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([SelfAttention(rngs) for _ in range(2)])
+        self.mix = NNXMix(rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.mix(x)
+
+
+NNX_OPS = PrecisionPolicy(rules=(
+    Rule(recipe="fp8_hybrid", kind="jnp.einsum", pattern=r"blocks/\d/einsum_\d"),
+    Rule(recipe="mxfp8", kind="lax.dot_general", pattern=r"mix/dot_general_0"),
+), default="bf16", name="nnx ops")
+
+
+def nnx_by_hand(m, x, scores="fp8_hybrid", mix="mxfp8"):
+    """NNXModel with the same GEMMs written out (bf16 layers; query/weights play X)."""
+    def dense(v, layer):
+        return qdot_general(v, layer.kernel[...], (((2,), (0,)), ((), ())), "bf16") + \
+            layer.bias[...]
+
+    for b in m.blocks:
+        q, k, v = jnp.split(dense(x, b.qkv), 3, axis=-1)
+        w = jax.nn.softmax(qeinsum("bqd,bkd->bqk", q, k, scores) / jnp.sqrt(32.0))
+        x = x + dense(qeinsum("bqk,bkd->bqd", w, v, scores), b.out)
+    return qdot_general(x, dense(x, m.mix.gate), (((2,), (2,)), ((0,), (0,))), mix)
+
+
+def nnx_data():
+    return jax.random.normal(jax.random.key(0), (2, 8, 32)), NNXModel(nnx.Rngs(0))
+
+
+def test_nnx_calls_inside_modules_follow_op_rules():
+    x, m = nnx_data()
+    before = jax.tree.map(np.asarray, nnx.state(m, nnx.Param))
+    plain = np.asarray(m(x))
+    qm = quantize_model(m, NNX_OPS, x)
+    assert qm is m and isinstance(m, NNXModel) and type(m).__name__ == "NNXModel"
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, nnx.state(m, nnx.Param)))  # params untouched
+    t = {p: k for p, k in linear_layers(m)}
+    assert t["blocks/1/einsum_1"] == "jnp.einsum" and t["mix/dot_general_0"] == \
+        "lax.dot_general" and t["blocks/0/qkv"] == "linear"
+    want = np.asarray(nnx_by_hand(m, x))
+    np.testing.assert_array_equal(np.asarray(m(x)), want)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(m, x)), want)
+    assert not np.array_equal(want, plain)
+    g = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m)
+    gw = nnx.grad(lambda m: jnp.sum(nnx_by_hand(m, x) ** 2))(m)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 nnx.state(g, nnx.Param), nnx.state(gw, nnx.Param))
+    assert jnp.einsum.__module__.startswith("jax")  # restored after the call
+    # a submodule called on its own is outside the intercepting model call: unquantized
+    block_alone = np.asarray(m.blocks[0](x))
+    np.testing.assert_array_equal(block_alone, np.asarray(
+        nnx_by_hand_block(m.blocks[0], x)))
+
+
+def nnx_by_hand_block(b, x):
+    q, k, v = jnp.split(qdot_general(x, b.qkv.kernel[...], (((2,), (0,)), ((), ())), "bf16")
+                        + b.qkv.bias[...], 3, axis=-1)
+    w = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / jnp.sqrt(32.0))
+    o = jnp.einsum("bqk,bkd->bqd", w, v)
+    return qdot_general(o, b.out.kernel[...], (((2,), (0,)), ((), ())), "bf16") + \
+        b.out.bias[...]
+
+
+def test_nnx_op_calls_explain_and_errors():
+    x, m = nnx_data()
+    calls = op_calls(m, jax.ShapeDtypeStruct(x.shape, x.dtype))  # values do not matter
+    assert calls == [("blocks/0/einsum_0", "jnp.einsum"), ("blocks/0/einsum_1", "jnp.einsum"),
+                     ("blocks/1/einsum_0", "jnp.einsum"), ("blocks/1/einsum_1", "jnp.einsum"),
+                     ("mix/dot_general_0", "lax.dot_general")]
+    scores = PrecisionPolicy(rules=(Rule(recipe="fp8_hybrid", kind="jnp.einsum",
+                                         pattern=r".*/einsum_0"),), name="scores")
+    t = explain(scores, linear_layers(m) + calls)
+    assert {a.path: a.recipe for a in t}["blocks/0/einsum_1"] is None
+    assert "not quantized" in str(t)
+    with pytest.raises(ValueError, match=r"'/.*/einsum_0/ kind=jnp.einsum'.*needs example inputs"):
+        quantize_model(m, scores)
+    with pytest.raises(ValueError, match="Linen model"):
+        quantize_model(Model(), scores, x)
+    with pytest.warns(PolicyWarning, match="Atention"):
+        quantize_model(m, PrecisionPolicy(rules=(Rule(
+            recipe="fp8_hybrid", kind="jnp.einsum", pattern=".*Atention"),), name="typo"), x)
+    # quantizing again finds the calls afresh: the typo policy left no op installed
+    assert [k for _, k in linear_layers(m) if k in OP_KINDS] == []
+    np.testing.assert_array_equal(np.asarray(quantize_model(m, NNX_OPS, x)(x)),
+                                  np.asarray(nnx_by_hand(m, x)))
+
+
+def test_nnx_op_streams_and_histories():
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    sr = PrecisionPolicy(rules=(Rule(recipe="nvfp4", kind="jnp.einsum",
+                                     pattern=r".*einsum_1"),), default="bf16", name="sr")
+
+    def run(**kw):  # nvfp4 rounds gradients stochastically: two steps' gradients
+        m = quantize_model(NNXModel(nnx.Rngs(0)), sr, x, **kw)
+        return [np.asarray(nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m).blocks[0].qkv.kernel[...])
+                for _ in range(2)]
+
+    first, second = run(seed=1)
+    assert not np.array_equal(first, second)  # each call draws a fresh SR key
+    np.testing.assert_array_equal(run(seed=1)[0], first)  # stable across constructions
+    assert not np.array_equal(run(seed=2)[0], first)
+    np.testing.assert_array_equal(run(rngs=nnx.Rngs(quant=4))[0],
+                                  run(rngs=nnx.Rngs(quant=4))[0])
+    delayed = PrecisionPolicy(rules=(Rule(recipe="fp8_delayed", kind="lax.dot_general",
+                                          pattern="mix/dot_general_0"),), name="delayed")
+    m = quantize_model(NNXModel(nnx.Rngs(0)), delayed, x)
+    h0 = np.asarray(m.mix.fp4lab_ops["dot_general_0"].amax_history[...])
+    diff = nnx.DiffState(0, nnx.Any(nnx.Param, AmaxHistory))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=diff)(m)
+    update_amax_history(m, grads)
+    h1 = np.asarray(m.mix.fp4lab_ops["dot_general_0"].amax_history[...])
+    assert not np.array_equal(h0, h1) and np.all(h1[:, 0] > 0)  # this step's amaxes rolled in
+
+
+class ScannedModel(nnx.Module):  # blocks stacked by nnx.vmap, run by nnx.scan
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return SelfAttention(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return x + block(x)
+
+        return body(x, self.blocks)
+
+
+def test_nnx_scanned_blocks_get_stacked_hooks_and_ops():
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    m = ScannedModel(nnx.Rngs(0))
+    assert op_calls(m, x) == [("blocks/einsum_0", "jnp.einsum"),
+                              ("blocks/einsum_1", "jnp.einsum")]
+    policy = PrecisionPolicy(rules=(Rule(recipe="fp8_hybrid", kind="jnp.einsum",
+                                         pattern=r"blocks/einsum_\d"),),
+                             default="nvfp4", name="scanned")
+    quantize_model(m, policy, x)
+    keys = m.blocks.qkv.dot_general.rngs.quant.key[...]  # one SR stream per stacked block
+    assert keys.shape == (3,) and len({tuple(np.asarray(jax.random.key_data(k)))
+                                       for k in keys}) == 3
+    assert m.blocks.fp4lab_ops["einsum_0"].rngs.quant.key[...].shape == (3,)
+    b = m.blocks
+
+    def by_hand(x):
+        def block(x, p):
+            qkv, out = p
+            q, k, v = jnp.split(qdot_general(x, qkv[0], (((2,), (0,)), ((), ())), "nvfp4_no_sr")
+                                + qkv[1], 3, axis=-1)
+            w = jax.nn.softmax(qeinsum("bqd,bkd->bqk", q, k, "fp8_hybrid") / jnp.sqrt(32.0))
+            o = qeinsum("bqk,bkd->bqd", w, v, "fp8_hybrid")
+            return x + qdot_general(o, out[0], (((2,), (0,)), ((), ())), "nvfp4_no_sr") + \
+                out[1], None
+
+        params = ((b.qkv.kernel[...], b.qkv.bias[...]), (b.out.kernel[...], b.out.bias[...]))
+        return jax.lax.scan(block, x, params)[0]
+
+    # the forward pass rounds to nearest (nvfp4's SR is on gradients only)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(m, x)),
+                                  np.asarray(jax.jit(by_hand)(x)))

@@ -1,0 +1,103 @@
+"""Intercepting the ``jnp.einsum`` / ``jax.lax.dot_general`` calls made inside modules, as qwix
+does: the machinery that Linen's :class:`~fp4lab.flax.linen.QuantizedLinen` and NNX's
+:func:`~fp4lab.flax.quantize_model` share.
+
+A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``): ``n`` counts the calls of
+that kind the module made so far in one model call (Linen: one ``apply``). The first operand
+plays X and the second W.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.recipe import Recipe
+
+__all__ = ["OpCalls", "CallCounter", "quantized_call"]
+
+
+class OpCalls:
+    """While active (in this thread), ``jax.lax.dot_general`` and ``jnp.einsum`` calls go to
+    a handler: ``handler(kind, original, args, kwargs)``. The two names are patched only while
+    some thread has a handler; calls from other threads, and the calls the handler itself
+    makes (fp4lab's own GEMMs use ``lax.dot_general``), go to the originals. Only calls
+    through these attributes are seen: ``x @ w`` and ``jnp.matmul`` are not."""
+
+    _local = threading.local()
+    _lock = threading.Lock()
+    _active = 0
+    _originals: dict = {}
+
+    @classmethod
+    def _wrapper(cls, kind):
+        def call(*args, **kwargs):
+            original = cls._originals[kind]
+            handler = getattr(cls._local, "handler", None)
+            if handler is None or getattr(cls._local, "busy", False):
+                return original(*args, **kwargs)
+            cls._local.busy = True
+            try:
+                return handler(kind, original, args, kwargs)
+            finally:
+                cls._local.busy = False
+
+        return call
+
+    @classmethod
+    @contextlib.contextmanager
+    def intercepted(cls, handler):
+        with cls._lock:
+            if cls._active == 0:
+                cls._originals = {"lax.dot_general": jax.lax.dot_general,
+                                  "jnp.einsum": jnp.einsum}
+                jax.lax.dot_general = cls._wrapper("lax.dot_general")
+                jnp.einsum = cls._wrapper("jnp.einsum")
+            cls._active += 1
+        previous = getattr(cls._local, "handler", None)
+        cls._local.handler = handler
+        try:
+            yield
+        finally:
+            cls._local.handler = previous
+            with cls._lock:
+                cls._active -= 1
+                if cls._active == 0:
+                    jax.lax.dot_general = cls._originals["lax.dot_general"]
+                    jnp.einsum = cls._originals["jnp.einsum"]
+
+
+class CallCounter:
+    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>`` in call order; one counter
+    serves one model call."""
+
+    def __init__(self):
+        self.counts: dict[tuple[object, str], int] = {}
+
+    def __call__(self, owner, kind: str) -> str:
+        short = "einsum" if kind == "jnp.einsum" else "dot_general"
+        n = self.counts.get((owner, short), 0)
+        self.counts[(owner, short)] = n + 1
+        return f"{short}_{n}"
+
+
+def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key=None,
+                   probe=None, amax_history=None, backend: str = "auto"):
+    """An intercepted call through ``qeinsum`` / ``qdot_general`` (first operand X, second
+    W); ``op_path`` names it in errors."""
+    kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
+    common = dict(key=key, probe=probe, amax_history=amax_history, backend=backend, **kw)
+    if kind == "jnp.einsum":
+        spec, *operands = args
+        if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:
+            raise ValueError(f"op {op_path}: a policy rule quantizes it, but "
+                             f"jnp.einsum({spec!r}, ...) with {len(operands)} operands is not a "
+                             "two-operand einsum with an explicit '->' output")
+        return qeinsum(spec, *operands, recipe, **common)
+    lhs, rhs = args[:2]
+    dims = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
+    return qdot_general(lhs, rhs, dims, recipe, **common)
