@@ -1,26 +1,51 @@
 """fp4lab: low-precision training numerics for JAX.
 
-The layers, from the bottom up: ``formats`` (number formats as data), ``rounding`` (grids,
-saturating casts, packing), ``scaling`` (scale schemes), ``quantize`` (QArray, quantize,
-dequantize, fake_quant) and ``metrics`` (underflow, saturation, error, scale health).
+Everything a user needs is here (``fp4lab.quantize``, ``fp4lab.Recipe``,
+``fp4lab.nemotron3``, ...); :mod:`fp4lab.flax` is the Flax integration (``quantize_model``).
+The modules, from the bottom up: ``formats`` (number formats as data), ``rounding`` (grids,
+exact division, packing), ``scaling`` (scale schemes), ``qarray`` (the QArray pytree),
+``backend`` (the kernel table), ``quantize`` (quantize, dequantize, fake_quant), ``metrics``,
+``hadamard``, ``delayed`` (FP8 amax histories), ``recipe`` (the six GEMM operands and how each
+is quantized), ``probes``, ``einsum``, ``qdot`` (the quantized GEMMs) and ``policy`` (rules
+from module paths to recipes).
 """
 
+from fp4lab.backend import KernelFallback
+from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import ELEMENTS, FORMATS, ElementFormat, Format, format_names, get_format
-from fp4lab.metrics import quant_metrics
-from fp4lab.quantize import QArray, dequantize, fake_quant, quantize
+from fp4lab.hadamard import rht
+from fp4lab.metrics import METRIC_NAMES, quant_metrics
+from fp4lab.policy import (
+    Depth,
+    PolicyWarning,
+    PrecisionPolicy,
+    Rule,
+    all_layers,
+    explain,
+    get_policy,
+    load_policy,
+    nemotron3,
+    nvfp4_paper,
+    save_policy,
+)
+from fp4lab.probes import probe_table, probe_zeros
+from fp4lab.qarray import QArray
+from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.quantize import dequantize, fake_quant, quantize
+from fp4lab.recipe import OPERANDS, RECIPES, OperandQuant, Recipe, get_recipe, recipe_names
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ELEMENTS",
-    "FORMATS",
-    "ElementFormat",
-    "Format",
-    "QArray",
-    "dequantize",
-    "fake_quant",
-    "format_names",
-    "get_format",
-    "quant_metrics",
-    "quantize",
+    # formats and quantizers
+    "ELEMENTS", "FORMATS", "ElementFormat", "Format", "format_names", "get_format",
+    "QArray", "quantize", "dequantize", "fake_quant", "rht", "KernelFallback",
+    # numerics
+    "quant_metrics", "METRIC_NAMES", "probe_zeros", "probe_table",
+    # GEMMs and recipes
+    "qdot_general", "qeinsum", "Recipe", "OperandQuant", "OPERANDS", "RECIPES", "get_recipe",
+    "recipe_names", "DelayedScaling",
+    # policies
+    "PrecisionPolicy", "Rule", "Depth", "nemotron3", "nvfp4_paper", "all_layers", "explain",
+    "get_policy", "load_policy", "save_policy", "PolicyWarning",
 ]

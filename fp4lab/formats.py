@@ -71,6 +71,12 @@ class ElementFormat:
         return 1 - self.bias
 
     @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value, ``floor(log2(max))`` (floats; OCP MX's
+        ``emax_elem``: E4M3 8, E5M2 15, E2M1 2)."""
+        return math.floor(math.log2(self.max))
+
+    @property
     def min_normal(self) -> float:
         return 2.0**self.emin if self.kind == "float" else 1.0
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from fp4lab import rounding
 from fp4lab.formats import Format
 from fp4lab.quantize import (_dequantize_blocks, _from_blocks, _quantize_blocks,
-                             _rounded_output, validate)
+                             _rounded_output, _validate)
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
@@ -92,7 +92,7 @@ def quant_metrics(
     global_amax: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Metrics (see module doc) of quantizing ``x`` to ``fmt``; arguments as ``quantize``."""
-    x, fmt, g, _ = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+    x, fmt, g, _ = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                             global_amax=global_amax)
     out = _metrics(x, key, global_amax, fmt=fmt, g=g, rounding=rounding)
     return {k: out[k] for k in METRIC_NAMES}

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from fp4lab.recipe import Recipe, get_recipe
 
-__all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "explain", "PRESETS",
+__all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "ExplainTable", "explain", "PRESETS",
            "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
            "policy_from_dict", "load_policy", "save_policy", "block_pattern_for",
            "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "check_unused"]
@@ -270,20 +270,24 @@ def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
             strict: bool = False, block: str | None = None) -> ExplainTable:
     """Resolve ``policy`` over ``layers`` and return the assignments (print it for a table).
 
-    ``layers``: an iterable of paths or ``(path, kind)`` pairs, or a model (a Flax NNX module,
-    or a Linen params pytree) whose linear layers are found by ``fp4lab.flax.linear_layers``.
-    ``num_blocks`` defaults to one more than the largest block index found in the paths;
-    ``block`` names the block modules when the default pattern does not find them
-    (:func:`block_pattern_for`). ``strict=True``: a required rule that matched nothing is an
-    error (otherwise it is listed as UNUSED).
+    ``layers``: an iterable of paths or ``(path, kind)`` pairs (for a model,
+    :func:`fp4lab.flax.explain` finds them). ``num_blocks`` defaults to one more than the
+    largest block index found in the paths; ``block`` names the block modules when the
+    default pattern does not find them (:func:`block_pattern_for`). ``strict=True``: a
+    required rule that matched nothing is an error (otherwise it is listed as UNUSED).
     """
     if block is not None:
         policy = policy.with_block(block)
-    if not isinstance(layers, (list, tuple)) or (layers and not isinstance(
-            layers[0], (str, tuple))):
-        from fp4lab.flax import linear_layers
-
-        layers = linear_layers(layers)
+    if isinstance(layers, (str, dict)) or not isinstance(layers, Iterable):
+        raise TypeError(f"explain takes layer paths or (path, kind) pairs, not "
+                        f"{type(layers).__name__}: for a Flax model use "
+                        "fp4lab.flax.explain(policy, model)")
+    layers = list(layers)
+    bad = [v for v in layers if not isinstance(v, (str, tuple, list))]
+    if bad:
+        raise TypeError(f"explain takes layer paths or (path, kind) pairs, not "
+                        f"{type(bad[0]).__name__}: for a Flax model use "
+                        "fp4lab.flax.explain(policy, model)")
     pairs = [(p, None) if isinstance(p, str) else tuple(p) for p in layers]
     if num_blocks is None:
         num_blocks = policy.infer_num_blocks(p for p, _ in pairs)
@@ -338,11 +342,9 @@ def nemotron3(default: str | Recipe = "nvfp4", *, mamba_out: str | Recipe | None
     return PrecisionPolicy(rules=tuple(rules), default=default, name="nemotron3")
 
 
-def nvfp4_paper(num_blocks: int | None = None, default: str | Recipe = "nvfp4"
-                ) -> PrecisionPolicy:
+def nvfp4_paper(default: str | Recipe = "nvfp4") -> PrecisionPolicy:
     """The NVFP4 paper's 12B setting: the first 2 and last 8 of 62 blocks in BF16, scaled to
     the model's depth (at least one block each): ``2/62`` and ``8/62`` of the blocks."""
-    del num_blocks  # the fractions scale with whatever depth explain/assign is given
     return PrecisionPolicy(
         rules=(Rule(name="first 2/62 and last 8/62 of blocks", recipe="bf16",
                     depth=Depth(first=1, last=1, first_fraction=2 / 62,

@@ -17,8 +17,10 @@ activation X and ``rhs`` the weight W.
 Randomness: ``key`` is folded in per operand (6 streams), so the two stochastically rounded
 gradient operands never share bits; callers fold in the layer (Flax rng streams do this).
 
-:func:`reference_qdot` composes ``fake_quant`` and ``dot`` explicitly: it is the oracle for
-tests and the extension point where fused kernels plug in.
+The operands are those of :data:`fp4lab.recipe.OPERAND_TABLE` (name, GEMM, role, axis);
+probes (:mod:`fp4lab.probes`) measure them through one hook, and kernels serve their
+quantizers through :mod:`fp4lab.backend`'s table. The tests' oracle is the same GEMMs written
+out with ``fake_quant`` and ``jnp.dot`` (tests/fp4lab/test_qdot.py).
 """
 
 from __future__ import annotations
@@ -29,52 +31,20 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from fp4lab import backend as _backend
 from fp4lab.delayed import history_amax
 from fp4lab.hadamard import rht
-from fp4lab.metrics import METRIC_NAMES, quant_metrics
-from fp4lab.quantize import check_key, dequantize, fake_quant, quantize
+from fp4lab.einsum import plan_einsum
+from fp4lab.probes import PROBE_SHAPE, measure
+from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize
 from fp4lab.rounding import abs_max
-from fp4lab.recipe import OperandQuant, Recipe, get_recipe
-from fp4lab.scaling import NVFP4Scale
+from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
 
-__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "OPERANDS",
-           "probe_zeros", "probe_table"]
+__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys"]
 
-OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
-
-
-def probe_zeros() -> jax.Array:
-    """The ``probe`` argument of :func:`qdot_general`: zeros of shape (6 operands, metrics).
-
-    Differentiate the loss with respect to it and its "gradient" is the numerics of every GEMM
-    operand of that step: row ``i`` holds :data:`fp4lab.metrics.METRIC_NAMES` for operand
-    ``OPERANDS[i]`` (the gradient operands measured on the step's real gradients); NaN rows are
-    operands the recipe does not quantize (the backward of QAT recipes)."""
-    return jnp.zeros((len(OPERANDS), len(METRIC_NAMES)), jnp.float32)
-
-
-def probe_table(probe_grad) -> dict[str, dict[str, float]]:
-    """``{operand: {metric: value}}`` from a probe's gradient (host values)."""
-    a = np.asarray(probe_grad)
-    return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(OPERANDS)}
-
-
-def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=None
-                     ) -> jax.Array:
-    """The metrics row of one operand, quantized exactly as :func:`quantize_operand` does
-    (with the delayed amax, if any: a scale that lags the data shows as saturation)."""
-    if op.hadamard:
-        x = rht(x, axis, op.hadamard, signs)
-    m = quant_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                      tile=op.tile, rounding=op.rounding, key=key, global_amax=global_amax)
-    return jnp.stack([m[k] for k in METRIC_NAMES])
-
-
-_NOT_QUANTIZED = jnp.full((len(METRIC_NAMES),), jnp.nan, jnp.float32)
+AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
 _BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N)
 _BMN_BKN = (((2,), (2,)), ((0,), (0,)))  # (B,M,N) x (B,K,N) -> (B,M,K)
 _BMK_BMN = (((1,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,M,N) -> (B,K,N)
@@ -97,13 +67,13 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``. ``global_amax``: the
     per-tensor amax to scale for (delayed scaling), instead of the operand's own."""
     if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile and global_amax is None:
-        if _backend.choose(backend, op.format, unsupported=_fused_rht_reason(x, op),
-                           strict=False) == "pallas":
-            from pallas_kernels import quantize as kq
-            from pallas_kernels import rht as kr
-
-            q = kr.rht_quantize_nvfp4(x[0], key, rounding=op.rounding, signs=signs)
-            return kq.dequantize(q, jnp.float32).T[None]
+        tokens_first = x[0] if x.shape[0] == 1 else x  # the kernel takes one matrix
+        kernel = _backend.decide(backend, _backend.Request(
+            op="rht_quantize", format=op.format, shape=tokens_first.shape, axis=-2,
+            rounding=op.rounding, transform=op.hadamard), strict=False)
+        if kernel is not None:
+            q = kernel.fn(tokens_first, op.format, key, rounding=op.rounding, signs=signs)
+            return dequantize(q, jnp.float32, backend=backend).T[None]
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     if op.format.is_passthrough:
@@ -111,22 +81,9 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     axis = -1 if op.tile else axis % x.ndim - x.ndim
     # in a GEMM, "pallas" means kernels where they exist: an operand without one falls back
     # to XLA with a KernelFallback warning instead of failing the whole GEMM
-    if backend == "pallas":
-        backend = _backend.choose(
-            backend, op.format, axis_from_end=_backend.values_axis(op.format, axis, op.tile),
-            tile=op.tile, rounding=op.rounding, strict=False)
-    return fake_quant(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
-                      rounding=op.rounding, key=key, backend=backend, global_amax=global_amax)
-
-
-def _fused_rht_reason(x, op: OperandQuant) -> str | None:
-    if not isinstance(op.format.scaling, NVFP4Scale) or op.format.block != 16:
-        return f"the fused RHT kernel is NVFP4-only, not {op.format.name}"
-    if op.hadamard != 16:
-        return f"the fused RHT kernel uses 16-point transforms, not {op.hadamard}"
-    if x.shape[0] != 1:
-        return f"the fused RHT kernel takes one (tokens, features) matrix, not batch {x.shape[0]}"
-    return None
+    return fake_quant_operand(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
+                              rounding=op.rounding, key=key, backend=backend,
+                              global_amax=global_amax, strict=False)
 
 
 def _mm(a, b, dn):
@@ -208,14 +165,14 @@ def _weight(w, recipe: Recipe, key, backend, amax):
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
                       key=key, backend=backend)
         return dequantize(qw), qw
-    return quantize_operand(w, op, 1, key, recipe.hadamard_signs, backend,
+    return quantize_operand(w, op, AXIS["fprop_w"], key, recipe.hadamard_signs, backend,
                             amax["fprop_w"]), None
 
 
 def _forward(x, w, keys, recipe: Recipe, backend, amax):
     wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax)
-    xq = quantize_operand(x, recipe.fprop_x, -1, keys["fprop_x"], recipe.hadamard_signs,
-                          backend, amax["fprop_x"])
+    xq = quantize_operand(x, recipe.fprop_x, AXIS["fprop_x"], keys["fprop_x"],
+                          recipe.hadamard_signs, backend, amax["fprop_x"])
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
 
 
@@ -223,59 +180,32 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, backend, amax):
     s = recipe.hadamard_signs
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
-    if qw is not None:
-        wq2 = dequantize(qw)
-    else:
-        wq2 = quantize_operand(w, recipe.dgrad_w, -1, keys["dgrad_w"], s, backend,
-                               amax["dgrad_w"])
-    dyq = quantize_operand(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s, backend,
-                           amax["dgrad_dy"])
-    dx = _mm(dyq, wq2, _BMN_BKN)
-    xq3 = quantize_operand(x, recipe.wgrad_x, 1, keys["wgrad_x"], s, backend, amax["wgrad_x"])
-    dyq3 = quantize_operand(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s, backend,
-                            amax["wgrad_dy"])
-    return dx, _mm(xq3, dyq3, _BMK_BMN)
 
+    def q(name, t):
+        return quantize_operand(t, recipe.operands[name], AXIS[name], keys[name], s, backend,
+                                amax[name])
 
-def _forward_probes(x, w, keys, recipe: Recipe, amax):
-    s = recipe.hadamard_signs
-    return jnp.stack([_operand_metrics(x, recipe.fprop_x, -1, keys["fprop_x"], s,
-                                       amax["fprop_x"]),
-                      _operand_metrics(w, recipe.fprop_w, 1, keys["fprop_w"], s,
-                                       amax["fprop_w"])])
-
-
-def _backward_probes(x, w, dy, keys, recipe: Recipe, amax):
-    if recipe.backward == "ste":
-        return jnp.stack([_NOT_QUANTIZED] * 4)
-    s = recipe.hadamard_signs
-    return jnp.stack([_operand_metrics(dy, recipe.dgrad_dy, -1, keys["dgrad_dy"], s,
-                                       amax["dgrad_dy"]),
-                      _operand_metrics(w, recipe.dgrad_w, -1, keys["dgrad_w"], s,
-                                       amax["dgrad_w"]),
-                      _operand_metrics(x, recipe.wgrad_x, 1, keys["wgrad_x"], s,
-                                       amax["wgrad_x"]),
-                      _operand_metrics(dy, recipe.wgrad_dy, 1, keys["wgrad_dy"], s,
-                                       amax["wgrad_dy"])])
-
-
-_AXES = {"fprop_x": -1, "fprop_w": 1, "dgrad_dy": -1, "dgrad_w": -1, "wgrad_x": 1,
-         "wgrad_dy": 1}  # the quantization axis of each canonical operand
+    wq2 = dequantize(qw) if qw is not None else q("dgrad_w", w)
+    dx = _mm(q("dgrad_dy", dy), wq2, _BMN_BKN)
+    return dx, _mm(q("wgrad_x", x), q("wgrad_dy", dy), _BMK_BMN)
 
 
 def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
-    """The history's "gradient": this step's amaxes in column 0 (see fp4lab.delayed)."""
+    """The history's "gradient": this step's amaxes in column 0 (see fp4lab.delayed);
+    ``tensors`` by role (x, w and dy each serve two operands: one amax per tensor and
+    transform)."""
     if history is None:
         return None
-    seen: dict = {}  # x, w and dy each serve two operands: one amax per tensor and transform
+    seen: dict = {}
     observed = []
-    for name, op in recipe.operands.items():
-        if name not in recipe.delayed_operands:
+    for o in OPERAND_TABLE:
+        if o.name not in recipe.delayed_operands:
             observed.append(jnp.float32(0))
             continue
-        k = (id(tensors[name]), op.hadamard, _AXES[name] if op.hadamard else None)
+        op = recipe.operands[o.name]
+        k = (o.role, op.hadamard, o.axis if op.hadamard else None)
         if k not in seen:
-            seen[k] = _observed(tensors[name], op, _AXES[name], recipe.hadamard_signs)
+            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.hadamard_signs)
         observed.append(seen[k])
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
@@ -293,7 +223,8 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
     y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
-    fwd_probes = None if probe is None else _forward_probes(x, w, keys, recipe, amax)
+    fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
+                                                    ("fprop",))
     res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (
         qw, fwd_probes, history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
@@ -306,10 +237,10 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
     dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend, amax)
+    tensors = {"x": x, "w": w, "dy": dy}
     probes = None if fwd_probes is None else jnp.concatenate(
-        [fwd_probes, _backward_probes(x, w, dy, keys, recipe, amax)])
-    seen = _history_grad(history, recipe, {"fprop_x": x, "fprop_w": w, "dgrad_dy": dy,
-                                           "dgrad_w": w, "wgrad_x": x, "wgrad_dy": dy})
+        [fwd_probes, measure(recipe, tensors, keys, amax, ("dgrad", "wgrad"))])
+    seen = _history_grad(history, recipe, tensors)
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
             _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes, seen)
 
@@ -333,7 +264,7 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       dimension_numbers: as ``lax.dot_general``.
       recipe: a :class:`~fp4lab.recipe.Recipe` or registry name.
       key: PRNG key; required when the recipe uses stochastic rounding.
-      probe: ``None``, or :func:`probe_zeros` to measure the numerics of all six GEMM
+      probe: ``None``, or :func:`fp4lab.probes.probe_zeros` to measure the numerics of all six GEMM
         operands: its gradient is the metrics table (the output does not depend on it).
       amax_history: for recipes with delayed scaling (``fp8_delayed``): this GEMM's history,
         ``fp4lab.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
@@ -370,34 +301,14 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
         raise ValueError(f"amax_history given, but recipe {recipe.name} has no delayed scaling")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    if probe is not None and jnp.shape(probe) != (len(OPERANDS), len(METRIC_NAMES)):
-        raise ValueError(f"probe has shape {jnp.shape(probe)}; use qdot.probe_zeros() "
-                         f"(shape {(len(OPERANDS), len(METRIC_NAMES))})")
+    if probe is not None and jnp.shape(probe) != PROBE_SHAPE:
+        raise ValueError(f"probe has shape {jnp.shape(probe)}; use fp4lab.probes.probe_zeros() "
+                         f"(shape {PROBE_SHAPE})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
     y = _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key, probe,
               amax_history)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
-
-
-def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str]:
-    """``'...d,df->...f'`` -> ``('Ad', 'df', 'Af')``: explicit letters for the ellipsis dims
-    (right-aligned between the operands, as numpy broadcasting aligns them)."""
-    try:
-        ins, out = spec.replace(" ", "").split("->")
-        sa, sb = ins.split(",")
-    except ValueError:
-        raise ValueError(f"qeinsum spec {spec!r} must look like 'bsd,df->bsf' (two operands "
-                         "and an explicit output)") from None
-    if "." not in spec:
-        return sa, sb, out
-    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in spec]
-    n = [nd - (len(s) - 3) if "..." in s else 0 for s, nd in ((sa, ndim_a), (sb, ndim_b))]
-    if min(n) < 0:
-        raise ValueError(f"qeinsum spec {spec!r} does not match ranks {ndim_a} and {ndim_b}")
-    letters = "".join(free[:max(n)])
-    sa, sb = (s.replace("...", letters[len(letters) - k:]) for s, k in ((sa, n[0]), (sb, n[1])))
-    return sa, sb, out.replace("...", letters)
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
@@ -408,23 +319,11 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     Letters in both inputs and the output are batch dims, letters in both inputs only are
     contracted; ellipses stand for the same dims in every term (no size-1 broadcasting).
     ``precision`` and ``out_sharding`` are accepted so this can serve as a Flax
-    ``einsum_op``; any other keyword is an error."""
+    ``einsum_op``; any other keyword is an error (spec rules: :mod:`fp4lab.einsum`)."""
     del precision
-    sa, sb, out = _expand_ellipses(spec, jnp.ndim(a), jnp.ndim(b))
-    if len(sa) != jnp.ndim(a) or len(sb) != jnp.ndim(b):
-        raise ValueError(f"qeinsum spec {spec!r} does not match shapes {jnp.shape(a)} and "
-                         f"{jnp.shape(b)}")
-    for s, name in ((sa, "first"), (sb, "second")):
-        lonely = [c for c in s if c not in out and c not in (sb if s is sa else sa)]
-        if lonely:
-            raise ValueError(f"qeinsum spec {spec!r}: {lonely} of the {name} operand are "
-                             "summed alone; sum them before the einsum")
-    batch = [c for c in sa if c in sb and c in out]
-    contract = [c for c in sa if c in sb and c not in out]
-    dn = ((tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
-          (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)))
-    y = qdot_general(a, b, dn, recipe, key=key, probe=probe, amax_history=amax_history,
-                     backend=backend, preferred_element_type=preferred_element_type)
-    produced = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
-    y = jnp.transpose(y, [produced.index(c) for c in out])
+    plan = plan_einsum(spec, jnp.shape(a), jnp.shape(b))
+    y = qdot_general(a, b, plan.dimension_numbers, recipe, key=key, probe=probe,
+                     amax_history=amax_history, backend=backend,
+                     preferred_element_type=preferred_element_type)
+    y = jnp.transpose(y, plan.out_perm)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

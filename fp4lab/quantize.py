@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -42,48 +41,11 @@ import jax.numpy as jnp
 from fp4lab import backend as _backend
 from fp4lab import rounding as rnd
 from fp4lab.formats import Format, get_format
+from fp4lab.qarray import QArray
 
-__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "validate", "check_key"]
+__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key"]
 
 Rounding = Literal["nearest", "stochastic"]
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["data", "scale", "global_scale"],
-    meta_fields=["format", "axis", "tile", "shape"],
-)
-@dataclasses.dataclass(frozen=True)
-class QArray:
-    """A quantized array. ``data``/``scale`` are in the padded block layout (see module doc).
-
-    ``global_scale`` is NVFP4's per-tensor value as Transformer Engine stores it: the float32
-    tensor amax (the encode and decode factors are ``2688 / amax`` and its inverse), also
-    readable as :attr:`tensor_amax`; ``None`` for formats without one."""
-
-    data: jax.Array
-    scale: jax.Array | None
-    global_scale: jax.Array | None
-    format: Format
-    axis: int
-    tile: tuple[int, int] | None
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def tensor_amax(self) -> jax.Array | None:
-        """The per-tensor amax (NVFP4), the same array as ``global_scale``."""
-        return self.global_scale
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return dequantize(self, dtype)
-
-    def __repr__(self) -> str:
-        geo = f"tile={self.tile}" if self.tile else f"axis={self.axis}"
-        return f"QArray({self.format.name}, shape={self.shape}, {geo})"
 
 
 # --------------------------------------------------------------------------- geometry
@@ -198,9 +160,6 @@ def _scale_from_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
 # --------------------------------------------------------------------------- validation
 
 
-_EMPTY = "an empty array is quantized by XLA (its result is empty)"
-
-
 def check_key(key, what: str = "key"):
     """Raise a clear error unless ``key`` is a JAX PRNG key (``jax.random.key(seed)``, or a
     legacy ``jax.random.PRNGKey(seed)``: uint32 of shape (..., 2))."""
@@ -213,7 +172,7 @@ def check_key(key, what: str = "key"):
 
 
 
-def validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global_amax=None):
+def _validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global_amax=None):
     """Check arguments and return ``(x, fmt, geometry, axis)``; raise a clear error otherwise."""
     fmt = get_format(fmt)
     if not hasattr(x, "dtype"):
@@ -335,14 +294,14 @@ def quantize(
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.backend`); the
         kernels give the same bits.
     """
-    x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+    x, fmt, g, ax = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
-    if _backend.choose(backend, fmt, axis_from_end=ax - x.ndim, tile=tile, rounding=rounding,
-                       unsupported=_EMPTY if x.size == 0 else None) == "pallas":
-        from pallas_kernels import quantize as kernels
-
-        return kernels.quantize(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
-                                rounding=rounding, key=key)
+    kernel = _backend.decide(backend, _backend.Request(
+        op="quantize", format=fmt, shape=x.shape, axis=ax - x.ndim, tile=tile,
+        rounding=rounding))
+    if kernel is not None:
+        return kernel.fn(x, fmt, axis=ax - x.ndim, tile=tile, global_amax=global_amax,
+                         rounding=rounding, key=key)
     return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
 
 
@@ -375,53 +334,76 @@ def dequantize(q: QArray, dtype=jnp.float32, *, backend: str = "auto") -> jax.Ar
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"dequantize returns values, so dtype must be floating point; got "
                         f"{jnp.dtype(dtype)} (cast the result yourself to truncate)")
-    tiled = "2D-tiled QArrays dequantize in XLA" if q.tile else None
-    if math.prod(q.shape) == 0:
-        tiled = _EMPTY
-    if _backend.choose(backend, q.format, axis_from_end=q.axis - q.ndim, tile=None,
-                       unsupported=tiled) == "pallas":
-        from pallas_kernels import quantize as kernels
-
-        return kernels.dequantize(q, dtype)
+    kernel = _backend.decide(backend, _dequantize_request(q))
+    if kernel is not None:
+        return kernel.fn(q, jnp.dtype(dtype))
     return _dequantize(q, jnp.dtype(dtype))
+
+
+def _dequantize_request(q: QArray) -> _backend.Request:
+    return _backend.Request(op="dequantize", format=q.format, shape=q.shape,
+                            axis=q.axis - q.ndim, tile=q.tile)
 
 
 # --------------------------------------------------------------------------- fake quant
 
 
-def _fake_quant_values(x, key, global_amax, fmt, g, rounding):
-    """(dequantized values in x.dtype, saturation mask) without materializing codes."""
+@dataclasses.dataclass(frozen=True)
+class _FakeQuant:
+    """How ``fake_quant`` computes its values (static): XLA, or the ``quantizer`` kernel
+    (then the ``dequantizer`` kernel, or XLA's dequantize where none serves) on ``x`` with
+    its block axis ``axis`` moved last when it is not."""
+
+    fmt: Format
+    g: _Geometry
+    rounding: str
+    mask_saturated: bool
+    quantizer: _backend.Kernel | None = None
+    dequantizer: _backend.Kernel | None = None
+    axis: int = -1  # the block axis of x (kernel path)
+    tile: tuple[int, int] | None = None
+
+
+def _fake_quant_values(x, key, global_amax, how: _FakeQuant):
+    """(dequantized values in x.dtype, the unclipped mask or None)."""
+    fmt = how.fmt
+    if how.quantizer is not None:
+        moved = how.tile is None and how.axis != x.ndim - 1
+        xk = jnp.moveaxis(x, how.axis, -1) if moved else x
+        q = how.quantizer.fn(xk, fmt, axis=-1, tile=how.tile, global_amax=global_amax,
+                             rounding=how.rounding, key=key)
+        y = how.dequantizer.fn(q, x.dtype) if how.dequantizer else _dequantize(q, x.dtype)
+        return (jnp.moveaxis(y, -1, how.axis) if moved else y), None
     if fmt.is_passthrough:
-        y = x.astype(fmt.element.storage).astype(x.dtype)
-        return y, jnp.ones(x.shape, bool)
-    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
-    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g).astype(x.dtype)
-    y = _rounded_output(y)
-    inside = _from_blocks(jnp.abs(b.v) <= fmt.element.max, g)
-    return y, inside
+        return x.astype(fmt.element.storage).astype(x.dtype), None
+    b = _quantize_blocks(x, fmt, how.g, how.rounding, key, global_amax)
+    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), how.g)
+    inside = _from_blocks(jnp.abs(b.v) <= fmt.element.max, how.g) if how.mask_saturated \
+        else None
+    return _rounded_output(y.astype(x.dtype)), inside
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fake_quant_ste(x, key, global_amax, fmt, g, rounding, mask_saturated):
-    return _fake_quant_values(x, key, global_amax, fmt, g, rounding)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _straight_through(x, key, global_amax, how: _FakeQuant):
+    """The one straight-through rule of both paths: identity, or zero where clipped."""
+    return _fake_quant_values(x, key, global_amax, how)[0]
 
 
-def _fq_fwd(x, key, global_amax, fmt, g, rounding, mask_saturated):
-    y, inside = _fake_quant_values(x, key, global_amax, fmt, g, rounding)
-    return y, (inside if mask_saturated else None)
+def _st_fwd(x, key, global_amax, how):
+    return _fake_quant_values(x, key, global_amax, how)
 
 
-def _fq_bwd(fmt, g, rounding, mask_saturated, inside, dy):
-    dx = jnp.where(inside, dy, jnp.zeros_like(dy)) if mask_saturated else dy
+def _st_bwd(how, inside, dy):
+    dx = dy if inside is None else jnp.where(inside, dy, jnp.zeros_like(dy))
     return dx, None, None
 
 
-_fake_quant_ste.defvjp(_fq_fwd, _fq_bwd)
+_straight_through.defvjp(_st_fwd, _st_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding", "mask_saturated"))
-def _fake_quant(x, key, global_amax, *, fmt, g, rounding, mask_saturated):
-    return _fake_quant_ste(x, key, global_amax, fmt, g, rounding, mask_saturated)
+@functools.partial(jax.jit, static_argnames=("how",))
+def _fake_quant(x, key, global_amax, *, how: _FakeQuant):
+    return _straight_through(x, key, global_amax, how)
 
 
 def fake_quant(
@@ -441,38 +423,28 @@ def fake_quant(
     the scaled input exceeded the element format's max (was clipped). Arguments as
     :func:`quantize`; on the kernel path the codes are materialized (quantize kernel, then
     dequantize kernel)."""
-    x, fmt, g, ax = validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+    return fake_quant_operand(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                              global_amax=global_amax, mask_saturated=mask_saturated,
+                              backend=backend, strict=True)
+
+
+def fake_quant_operand(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
+                       global_amax=None, mask_saturated=False, backend="auto",
+                       strict=True) -> jax.Array:
+    """:func:`fake_quant`; ``strict=False`` (a GEMM's operands): ``backend="pallas"`` falls
+    back to XLA with a warning where no kernel serves, instead of raising."""
+    x, fmt, g, ax = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                              global_amax=global_amax)
-    masked = "mask_saturated needs the XLA path" if mask_saturated else None
-    if x.size == 0:
-        masked = _EMPTY
-    kernel_axis = _backend.values_axis(fmt, ax - x.ndim, tile)
-    if _backend.choose(backend, fmt, axis_from_end=kernel_axis, tile=tile, rounding=rounding,
-                       unsupported=masked) == "pallas":
-        if kernel_axis != ax - x.ndim:  # a 1D block axis that is not last: move it there
-            y = _kernel_fake_quant(jnp.moveaxis(x, ax, -1), global_amax, key, fmt, -1, None,
-                                   rounding)
-            return jnp.moveaxis(y, -1, ax)
-        return _kernel_fake_quant(x, global_amax, key, fmt, ax - x.ndim, tile, rounding)
-    return _fake_quant(x, key, global_amax, fmt=fmt, g=g, rounding=rounding,
-                       mask_saturated=bool(mask_saturated))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _kernel_fake_quant(x, global_amax, key, fmt, axis, tile, rounding):
-    from pallas_kernels import quantize as kernels
-
-    q = kernels.quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax,
-                         rounding=rounding, key=key)
-    return _dequantize(q, x.dtype) if tile else kernels.dequantize(q, x.dtype)
-
-
-def _kernel_fq_fwd(x, global_amax, key, fmt, axis, tile, rounding):
-    return _kernel_fake_quant(x, global_amax, key, fmt, axis, tile, rounding), None
-
-
-def _kernel_fq_bwd(fmt, axis, tile, rounding, _, dy):
-    return dy, None, None  # straight through
-
-
-_kernel_fake_quant.defvjp(_kernel_fq_fwd, _kernel_fq_bwd)
+    how = _FakeQuant(fmt, g, rounding, bool(mask_saturated))
+    # any 1D block axis can be moved last and back (same blocks, same bits)
+    kernel_axis = -1 if tile is None and fmt.granularity == "block" else ax - x.ndim
+    quantizer = _backend.decide(
+        backend, _backend.Request(op="quantize", format=fmt, shape=x.shape, axis=kernel_axis,
+                                  tile=tile, rounding=rounding),
+        unsupported="mask_saturated needs the XLA path" if mask_saturated else None,
+        strict=strict)
+    if quantizer is not None:
+        how = dataclasses.replace(how, quantizer=quantizer, axis=ax, tile=tile,
+                                  dequantizer=_backend.find(_backend.Request(
+                                      op="dequantize", format=fmt, shape=x.shape, tile=tile)))
+    return _fake_quant(x, key, global_amax, how=how)

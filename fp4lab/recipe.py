@@ -20,12 +20,36 @@ Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named one
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
 
-__all__ = ["OperandQuant", "Recipe", "RECIPES", "get_recipe", "recipe_names"]
+__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe", "RECIPES",
+           "get_recipe", "recipe_names"]
+
+
+class Operand(NamedTuple):
+    """One of the six GEMM operands: its ``name``, the ``gemm`` it feeds, the tensor whose
+    ``role`` it plays (``x``, ``w`` or ``dy``) and its quantization ``axis`` on the canonical
+    tensors ``X: (B, M, K)``, ``W: (B, K, N)``, ``dY: (B, M, N)`` (the GEMM's reduction)."""
+
+    name: str
+    gemm: Literal["fprop", "dgrad", "wgrad"]
+    role: Literal["x", "w", "dy"]
+    axis: int
+
+
+# The one table of operands that the quantized GEMM, the probes and the recipes iterate.
+OPERAND_TABLE = (
+    Operand("fprop_x", "fprop", "x", -1),  # Y = X W, along K
+    Operand("fprop_w", "fprop", "w", 1),
+    Operand("dgrad_dy", "dgrad", "dy", -1),  # dX = dY W^T, along N
+    Operand("dgrad_w", "dgrad", "w", -1),
+    Operand("wgrad_x", "wgrad", "x", 1),  # dW = X^T dY, along the tokens M
+    Operand("wgrad_dy", "wgrad", "dy", 1),
+)
+OPERANDS = tuple(o.name for o in OPERAND_TABLE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,20 +132,23 @@ class Recipe:
         """The operands scaled from the amax history (per-tensor formats, when ``delayed``)."""
         if self.delayed is None:
             return ()
-        used = self.operands if self.backward == "quantized" else {
-            k: v for k, v in self.operands.items() if k in ("fprop_x", "fprop_w")}
-        return tuple(k for k, v in used.items() if v.format.granularity == "tensor")
+        return tuple(k for k, v in self.quantized_operands.items()
+                     if v.format.granularity == "tensor")
 
     @property
     def operands(self) -> dict[str, OperandQuant]:
-        return {f: getattr(self, f) for f in
-                ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")}
+        return {name: getattr(self, name) for name in OPERANDS}
+
+    @property
+    def quantized_operands(self) -> dict[str, OperandQuant]:
+        """The operands this recipe's GEMMs quantize: all six, or (QAT, ``backward="ste"``)
+        the forward GEMM's two."""
+        return {o.name: getattr(self, o.name) for o in OPERAND_TABLE
+                if self.backward == "quantized" or o.gemm == "fprop"}
 
     @property
     def needs_key(self) -> bool:
-        ops = self.operands.values() if self.backward == "quantized" else (
-            self.fprop_x, self.fprop_w)
-        return any(o.rounding == "stochastic" for o in ops)
+        return any(o.rounding == "stochastic" for o in self.quantized_operands.values())
 
     @property
     def is_identity(self) -> bool:

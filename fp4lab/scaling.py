@@ -184,8 +184,7 @@ class PowerOfTwoScale(ScaleScheme):
             sub = jnp.where(bits <= 0x00400000, -127, -126)  # d <= 2**-127 rounds to -127
             e = jnp.where(e_field > 0, normal, sub)
         else:
-            emax = int(np.floor(np.log2(element.max)))
-            e = rounding.exponent(stat) - emax
+            e = rounding.exponent(stat) - element.emax
         return jnp.clip(e, -127, 127)
 
     def encode(self, stat, tensor_amax, element):

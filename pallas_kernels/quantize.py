@@ -29,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4lab.formats import Format, get_format
-from fp4lab.quantize import QArray
+from fp4lab.backend import Kernel, Request
+from fp4lab.formats import E2M1, E4M3, E5M2, Format, get_format
+from fp4lab.qarray import QArray
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (FLT_MAX, abs_bits, abs_max_bits, bits, div, e2m1_code,
                                    e2m1_value, element_index, from_bits, hash_uniform, minimum,
                                    pack_pairs, pow2, stochastic_e2m1, unpack_pairs)
 
-__all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig"]
+__all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig",
+           "KERNELS"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,25 +84,22 @@ def _interpret_default(interpret):
 
 
 def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | None:
-    """``None`` when a kernel covers this quantization, else the reason it does not."""
-    if fmt.granularity != "block":
-        return f"{fmt.name} is not a block format"
-    if rounding == "stochastic" and (tile is not None or fmt.element.name != "e2m1"):
-        return ("stochastic rounding kernels cover 1D-blocked E2M1 formats (NVFP4, MXFP4), "
-                f"not {fmt.name}" + (f" with tile={tile}" if tile else ""))
-    if isinstance(fmt.scaling, NVFP4Scale):
-        if tile not in (None, (16, 16)):
-            return f"NVFP4 kernels cover 1D blocks and 16x16 tiles, not tile={tile}"
-    elif isinstance(fmt.scaling, PowerOfTwoScale):
-        if tile is not None:
-            return f"MX kernels cover 1D blocks only, not tile={tile}"
-        if fmt.element.name not in ("e4m3", "e5m2", "e2m1"):
-            return f"no MX kernel for {fmt.element.name} elements"
-    else:
-        return f"no kernel for {type(fmt.scaling).__name__} scales"
-    if axis not in (-1,):
-        return f"kernels block the last axis; axis={axis} (transpose first)"
-    return None
+    """``None`` when a quantize kernel of this module serves this request, else why not (the
+    refusals of :data:`KERNELS`, as ``fp4lab.backend`` reports them)."""
+    r = Request(op="quantize", format=fmt, shape=(1,), axis=axis, tile=tile, rounding=rounding)
+    return _refusal(r)
+
+
+def _refusal(r: Request) -> str | None:
+    reasons = []
+    for k in KERNELS:
+        if k.op == r.op:
+            why = k.refusal(r)
+            if why is None:
+                return None
+            if isinstance(r.format.scaling, k.scheme):
+                reasons.append(why)
+    return "; ".join(reasons) or f"no {r.op} kernel for {type(r.format.scaling).__name__} scales"
 
 
 # ----------------------------------------------------------------------------- kernel bodies
@@ -130,31 +129,33 @@ def _round_e2m1(v, seed_ref, stochastic, row_stride):
     return e2m1_code(v)
 
 
-def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, interpret, stochastic,
+def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, block, interpret, stochastic,
                      row_stride):
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
-    xb = x.reshape(tm, tk // 16, 16)
+    xb = x.reshape(tm, tk // block, block)
     amax = amax_ref[...].reshape(1, 1, 1)
-    s_b, enc = _nvfp4_scales(abs_max_bits(xb, 2), jnp.broadcast_to(amax, (tm, tk // 16, 1)),
-                             interpret=interpret)
+    s_b, enc = _nvfp4_scales(abs_max_bits(xb, 2),
+                             jnp.broadcast_to(amax, (tm, tk // block, 1)), interpret=interpret)
     codes = _round_e2m1((xb * enc).reshape(tm, tk), seed_ref, stochastic, row_stride)
     q_ref[...] = pack_pairs(codes)
-    s_ref[...] = s_b.reshape(tm, tk // 16)
+    s_ref[...] = s_b.reshape(tm, tk // block)
 
 
-def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, interpret):
-    """16x16 tiles: the row-wise codes and their transpose, scales shared by construction."""
+def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, tile, interpret):
+    """(t0, t1) tiles: the row-wise codes and their transpose, scales shared by
+    construction."""
+    t0, t1 = tile
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
-    x4 = x.reshape(tm // 16, 16, tk // 16, 16)
-    bamax = abs_max_bits(abs_max_bits(x4, 3), 1)  # (tm/16, 1, tk/16, 1)
+    x4 = x.reshape(tm // t0, t0, tk // t1, t1)
+    bamax = abs_max_bits(abs_max_bits(x4, 3), 1)  # (tm/t0, 1, tk/t1, 1)
     amax = amax_ref[...].reshape(1, 1, 1, 1)
     s_b, enc = _nvfp4_scales(bamax, jnp.broadcast_to(amax, bamax.shape), interpret=interpret)
     codes = e2m1_code(x4 * enc).reshape(tm, tk)
     q_ref[...] = pack_pairs(codes)
     qt_ref[...] = pack_pairs(codes.T)
-    s = s_b.reshape(tm // 16, tk // 16)
+    s = s_b.reshape(tm // t0, tk // t1)
     s_ref[...] = s
     st_ref[...] = s.T
 
@@ -164,8 +165,8 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
     del interpret  # power-of-two scales: no division
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
-    el = fmt.element
-    xb = x.reshape(tm, tk // 32, 32)
+    el, block = fmt.element, fmt.block
+    xb = x.reshape(tm, tk // block, block)
     stat = abs_max_bits(xb, 2)
     if fmt.scaling.mode == "rceil":
         d = stat * (np.float32(1) / np.float32(el.max))  # host constant, IEEE
@@ -174,16 +175,15 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
         normal = e_field - 127 + ((b & 0x7FFFFF) != 0).astype(jnp.int32)
         e = jnp.where(e_field > 0, normal, jnp.where(b <= 0x00400000, -127, -126))
     else:
-        emax = {"e4m3": 8, "e5m2": 15, "e2m1": 2}[el.name]
-        e = ((bits(stat) >> 23) & 0xFF) - 127 - emax
+        e = ((bits(stat) >> 23) & 0xFF) - 127 - el.emax
     e = jnp.clip(e, -127, 127)
     finite = (bits(stat) & 0x7FFFFFFF) < 0x7F800000
-    s_ref[...] = jnp.where(finite, e + 127, 255).astype(jnp.uint8).reshape(tm, tk // 32)
+    s_ref[...] = jnp.where(finite, e + 127, 255).astype(jnp.uint8).reshape(tm, tk // block)
     mult = jnp.where(finite, pow2(jnp.clip(-e, -126, 127)), 0.0)
     v = xb * mult
-    if el.name == "e2m1":
+    if el == E2M1:
         codes = _round_e2m1(v.reshape(tm, tk), seed_ref, stochastic, row_stride)
-        codes = jnp.where(finite, codes.reshape(tm, tk // 32, 32), 0).reshape(tm, tk)
+        codes = jnp.where(finite, codes.reshape(tm, tk // block, block), 0).reshape(tm, tk)
         q_ref[...] = pack_pairs(codes)
     else:
         a = minimum(abs_bits(v), el.max)  # saturate; keep the sign bit (and -0):
@@ -277,7 +277,8 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
     if isinstance(fmt.scaling, NVFP4Scale):
         amax = _tensor_amax(x, global_amax)
         q, s = pl.pallas_call(
-            functools.partial(_nvfp4_1d_kernel, **sr), out_shape=out_shape, grid=grid,
+            functools.partial(_nvfp4_1d_kernel, block=block, **sr), out_shape=out_shape,
+            grid=grid,
             in_specs=[scalar, scalar, x_spec], out_specs=out_specs,
             interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
             name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), seed, x2)
@@ -313,7 +314,8 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
     x = jnp.asarray(x)
     _check_input(x)
     axis = axis if axis < 0 else axis - x.ndim
-    reason = supports(fmt, axis, tile, rounding)
+    reason = _refusal(Request(op="quantize", format=fmt, shape=x.shape, axis=axis, tile=tile,
+                              rounding=rounding))
     if reason:
         raise ValueError(f"no kernel: {reason}")
     if rounding == "stochastic" and key is None:
@@ -321,13 +323,14 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
     interpret = _interpret_default(interpret)
     if tile is not None:
         if x.ndim == 2:
-            return quantize_weight_nvfp4(x, global_amax=global_amax, interpret=interpret,
-                                         config=config)[0]
+            return _quantize_2d(x, global_amax, fmt=fmt, tile=tile, cfg=config,
+                                interpret=interpret)[0]
         # a stack of matrices (experts, the canonical (B, K, N) weight of a GEMM): one
         # global amax over the stack, as the reference, and the 2D kernel per matrix
         amax = _tensor_amax(x, global_amax)
         stack = x.reshape(-1, *x.shape[-2:])
-        row = jax.vmap(lambda m: _quantize_2d(m, amax, cfg=config, interpret=interpret)[0])(stack)
+        row = jax.vmap(lambda m: _quantize_2d(m, amax, fmt=fmt, tile=tile, cfg=config,
+                                              interpret=interpret)[0])(stack)
         q, s = row.data, row.scale
         return QArray(q.reshape(*x.shape[:-2], *q.shape[-2:]),
                       s.reshape(*x.shape[:-2], *s.shape[-2:]), amax, fmt, x.ndim - 1, tile,
@@ -336,47 +339,54 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
                         rounding=rounding)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def _quantize_2d(w, global_amax, *, cfg: KernelConfig, interpret: bool):
-    fmt = get_format("nvfp4")
+@functools.partial(jax.jit, static_argnames=("fmt", "tile", "cfg", "interpret"))
+def _quantize_2d(w, global_amax, *, fmt: Format, tile, cfg: KernelConfig, interpret: bool):
     lead, (r, c) = w.shape[:-2], w.shape[-2:]
     if lead:
         raise ValueError(f"2D weight quantization takes a matrix, got shape {w.shape}")
-    rp, cp = -(-r // 16) * 16, -(-c // 16) * 16  # the reference's padded shape
-    # 16x16 tiles, and the transposed copy packs along rows: both tile sizes at least 32
+    t0, t1 = tile
+    rp, cp = -(-r // t0) * t0, -(-c // t1) * t1  # the reference's padded shape
+    # whole tiles, and the transposed copy packs along rows: both tile sizes at least 32
     tm, tk = _tile(rp, cfg.block_rows, 32), _tile(cp, cfg.block_cols, 32)
     w2, (mp, kp) = _rows_and_pad(w, tm, tk)
     amax = _tensor_amax(w, global_amax)
-    kernel = functools.partial(_nvfp4_2d_kernel, interpret=interpret)
+    kernel = functools.partial(_nvfp4_2d_kernel, tile=tile, interpret=interpret)
+    scale = fmt.scaling.scale_dtype
     q, s, qt, st = pl.pallas_call(
         kernel, grid=(mp // tm, kp // tk),
         out_shape=[jax.ShapeDtypeStruct((mp, kp // 2), jnp.uint8),
-                   jax.ShapeDtypeStruct((mp // 16, kp // 16), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((mp // t0, kp // t1), scale),
                    jax.ShapeDtypeStruct((kp, mp // 2), jnp.uint8),
-                   jax.ShapeDtypeStruct((kp // 16, mp // 16), jnp.float8_e4m3fn)],
+                   jax.ShapeDtypeStruct((kp // t1, mp // t0), scale)],
         in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
                   pl.BlockSpec((tm, tk), lambda i, j: (i, j))],
         out_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j: (i, j)),
-                   pl.BlockSpec((tm // 16, tk // 16), lambda i, j: (i, j)),
+                   pl.BlockSpec((tm // t0, tk // t1), lambda i, j: (i, j)),
                    pl.BlockSpec((tk, tm // 2), lambda i, j: (j, i)),
-                   pl.BlockSpec((tk // 16, tm // 16), lambda i, j: (j, i))],
+                   pl.BlockSpec((tk // t1, tm // t0), lambda i, j: (j, i))],
         interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
-        name="fp4lab_nvfp4_quantize_2d")(amax.reshape(1, 1), w2)
-    row = QArray(q[:rp, :cp // 2], s[:rp // 16, :cp // 16], amax, fmt, 1, (16, 16), (r, c))
-    col = QArray(qt[:cp, :rp // 2], st[:cp // 16, :rp // 16], amax, fmt, 1, (16, 16), (c, r))
+        name=f"fp4lab_{fmt.name}_quantize_2d")(amax.reshape(1, 1), w2)
+    row = QArray(q[:rp, :cp // 2], s[:rp // t0, :cp // t1], amax, fmt, 1, tile, (r, c))
+    col = QArray(qt[:cp, :rp // 2], st[:cp // t1, :rp // t0], amax, fmt, 1, (t1, t0), (c, r))
     return row, col
 
 
 def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
-                          config: KernelConfig = DEFAULT_CONFIG) -> tuple[QArray, QArray]:
-    """NVFP4 with 16x16 tiles of a weight matrix ``w`` in one pass: ``(quantize(w),
+                          config: KernelConfig = DEFAULT_CONFIG, fmt: str | Format = "nvfp4",
+                          tile: tuple[int, int] = (16, 16)) -> tuple[QArray, QArray]:
+    """NVFP4 with 2D tiles (16x16) of a weight matrix ``w`` in one pass: ``(quantize(w),
     quantize(w.T))`` as :func:`fp4lab.quantize` with ``tile=(16, 16)`` gives them, the second
     being the transposed copy that dgrad reads (the same scales, transposed)."""
     w = jnp.asarray(w)
     _check_input(w)
+    fmt = get_format(fmt)
     if w.ndim != 2:
         raise ValueError(f"quantize_weight_nvfp4 takes a matrix, got shape {w.shape}")
-    return _quantize_2d(w, global_amax, cfg=config, interpret=_interpret_default(interpret))
+    reason = _refusal(Request(op="quantize", format=fmt, shape=w.shape, tile=tile))
+    if reason:
+        raise ValueError(f"no kernel: {reason}")
+    return _quantize_2d(w, global_amax, fmt=fmt, tile=tile, cfg=config,
+                        interpret=_interpret_default(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "cfg", "interpret"))
@@ -410,9 +420,35 @@ def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
     """The kernel path of :func:`fp4lab.dequantize` for 1D-blocked NVFP4/MX QArrays (last
     axis): one read of codes and scales, one write of ``dtype`` values (BF16 by default, for
     the emulated GEMM on GPUs without FP4 tensor cores)."""
-    reason = supports(q.format, q.axis - q.ndim, q.tile) if q.tile is None else (
-        "2D-tiled QArrays dequantize with fp4lab.dequantize")
+    reason = _refusal(Request(op="dequantize", format=q.format, shape=q.shape,
+                              axis=q.axis - q.ndim, tile=q.tile))
     if reason:
         raise ValueError(f"no kernel: {reason}")
     return _dequantize_1d(q, jnp.dtype(dtype), cfg=config,
                           interpret=_interpret_default(interpret))
+
+
+def _quantize_kernel(x, fmt, *, axis, tile, global_amax, rounding, key):
+    return quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax, rounding=rounding,
+                    key=key)
+
+
+def _dequantize_kernel_fn(q, dtype):
+    return dequantize(q, dtype)
+
+
+# The requests these kernels serve, as data (fp4lab.backend's table; pallas_kernels.register)
+KERNELS = (
+    Kernel(name="NVFP4 1D quantize", op="quantize", scheme=NVFP4Scale, elements=(E2M1,),
+           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=_quantize_kernel),
+    Kernel(name="NVFP4 2D-tile quantize", op="quantize", scheme=NVFP4Scale, elements=(E2M1,),
+           tiles=((16, 16), (32, 32)), fn=_quantize_kernel),
+    Kernel(name="MX FP8 quantize", op="quantize", scheme=PowerOfTwoScale,
+           elements=(E4M3, E5M2), blocks=(16, 32), fn=_quantize_kernel),
+    Kernel(name="MX FP4 quantize", op="quantize", scheme=PowerOfTwoScale, elements=(E2M1,),
+           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=_quantize_kernel),
+    Kernel(name="NVFP4 dequantize", op="dequantize", scheme=NVFP4Scale, elements=(E2M1,),
+           blocks=(16, 32), fn=_dequantize_kernel_fn),
+    Kernel(name="MX dequantize", op="dequantize", scheme=PowerOfTwoScale,
+           elements=(E4M3, E5M2, E2M1), blocks=(16, 32), fn=_dequantize_kernel_fn),
+)

@@ -42,9 +42,11 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fp4lab.formats import get_format
+from fp4lab.backend import Kernel, Request
+from fp4lab.formats import E2M1, Format, get_format
 from fp4lab.hadamard import rht_signs_and_scale
-from fp4lab.quantize import QArray
+from fp4lab.qarray import QArray
+from fp4lab.scaling import NVFP4Scale
 from fp4lab.rounding import abs_max
 from pallas_kernels.common import (abs_max_bits, bits, e2m1_code, from_bits, hash_uniform,
                                    stochastic_e2m1)
@@ -104,9 +106,8 @@ def _quantize_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, signs, dtype, s
     s_ref[...] = s_b.T
 
 
-@functools.partial(jax.jit, static_argnames=("rounding", "signs", "cfg", "interpret"))
-def _rht_quantize(x, key, global_amax, *, rounding, signs, cfg: KernelConfig, interpret):
-    fmt = get_format("nvfp4")
+@functools.partial(jax.jit, static_argnames=("fmt", "rounding", "signs", "cfg", "interpret"))
+def _rht_quantize(x, key, global_amax, *, fmt, rounding, signs, cfg: KernelConfig, interpret):
     m, k = x.shape
     m16 = -(-m // 16) * 16  # the reference's transformed (padded) token length
     tm, tk = _tile(m16, cfg.block_rows, 16), _tile(k, cfg.block_cols, 16)  # tm = 16 G
@@ -143,7 +144,8 @@ def _rht_quantize(x, key, global_amax, *, rounding, signs, cfg: KernelConfig, in
 
 
 def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
-                       global_amax=None, interpret: bool | None = None,
+                       global_amax=None, fmt: str | Format = "nvfp4",
+                       interpret: bool | None = None,
                        config: KernelConfig = KernelConfig(block_rows=64, block_cols=64)
                        ) -> QArray:
     """NVFP4 wgrad operand: ``quantize(rht(x, axis=0).T, "nvfp4", rounding=...)`` fused
@@ -158,6 +160,21 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
         raise ValueError(f"rounding={rounding!r} must be 'nearest' or 'stochastic'")
     if rounding == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs key=jax.random.key(...)")
+    fmt = get_format(fmt)
+    reason = KERNEL.refusal(Request(op="rht_quantize", format=fmt, shape=x.shape, axis=-2,
+                                    rounding=rounding, transform=16))
+    if reason:
+        raise ValueError(f"no kernel: {reason}")
     rht_signs_and_scale(16, signs)  # validates signs
-    return _rht_quantize(x, key, global_amax, rounding=rounding, signs=signs, cfg=config,
-                         interpret=_interpret_default(interpret))
+    return _rht_quantize(x, key, global_amax, fmt=fmt, rounding=rounding, signs=signs,
+                         cfg=config, interpret=_interpret_default(interpret))
+
+
+def _kernel_fn(x, fmt, key, *, rounding, signs):
+    return rht_quantize_nvfp4(x, key, rounding=rounding, signs=signs, fmt=fmt)
+
+
+# the request this kernel serves, as data (fp4lab.backend's table; pallas_kernels.register)
+KERNEL = Kernel(name="NVFP4 RHT + quantize", op="rht_quantize", scheme=NVFP4Scale,
+                elements=(E2M1,), blocks=(16,), roundings=("nearest", "stochastic"), axes=(-2,),
+                transforms=(16,), ndims=(2,), fn=_kernel_fn)

@@ -49,9 +49,11 @@ from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
 from fp4lab.flax.nnx import OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, get_policy
+from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
-           "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls"]
+           "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
+           "explain"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:
@@ -69,6 +71,17 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
         for call, op in getattr(m, _nnx.OPS_ATTR, {}).items():
             out.append((f"{name}/{call}" if name else call, op.kind))
     return out
+
+
+def explain(policy: str | PrecisionPolicy, model, *, num_blocks: int | None = None,
+            strict: bool = False, block: str | None = None):
+    """:func:`fp4lab.policy.explain` over a model's layers (:func:`linear_layers`: an NNX
+    module, or Linen variables), or over paths / ``(path, kind)`` pairs as given. For a
+    Linen model's true kinds and its calls inside modules, use
+    ``quantize_model(model, policy).explain(variables, x)``."""
+    layers = model if isinstance(model, (list, tuple)) else linear_layers(model)
+    return _explain(get_policy(policy), layers, num_blocks=num_blocks, strict=strict,
+                    block=block)
 
 
 def op_calls(model, *inputs, call_kwargs: dict | None = None) -> list[tuple[str, str]]:

@@ -19,7 +19,8 @@ from flax import linen as nn
 from fp4lab.delayed import init_history
 from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
-from fp4lab.qdot import probe_zeros, qdot_general, qeinsum
+from fp4lab.probes import probe_zeros
+from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers", "KINDS"]

@@ -17,7 +17,8 @@ from fp4lab import delayed
 from fp4lab.delayed import DelayedScaling
 from fp4lab.flax import quantize_model
 from fp4lab.flax.nnx import AmaxHistory, update_amax_history
-from fp4lab.qdot import OPERANDS, qdot_general
+from fp4lab.qdot import qdot_general
+from fp4lab.recipe import OPERANDS
 from fp4lab.recipe import RECIPES, Recipe
 
 DN = (((1,), (0,)), ((), ()))
@@ -163,7 +164,7 @@ def test_nnx_history_variable_and_update():
 def test_probes_show_the_scale_lag_as_saturation():
     """A tensor that grew 8x since its history saturates under the delayed scale; the same
     GEMM with current scaling does not."""
-    from fp4lab.qdot import probe_table, probe_zeros
+    from fp4lab.probes import probe_table, probe_zeros
 
     r = RECIPES["fp8_delayed"]
     x, w, _ = steps_data(1)[0]

@@ -9,11 +9,11 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from fp4lab.flax import QDense, QLinear, linear_layers, quantize_model
+from fp4lab.flax import QDense, QLinear, explain, linear_layers, quantize_model
 from fp4lab.flax import linen as qlinen
 from fp4lab.flax import nnx as qnnx
 import fp4lab
-from fp4lab.policy import PrecisionPolicy, Rule, explain
+from fp4lab.policy import PrecisionPolicy, Rule
 
 HI = jax.lax.Precision.HIGHEST
 POLICY = PrecisionPolicy(rules=(Rule(recipe="bf16", pattern="layers_1"),
@@ -55,6 +55,8 @@ def test_linen_quantize_model_equals_twin_and_keeps_params():
     with pytest.raises(ValueError, match="rngs=\\{'quant': key\\}"):
         qm.apply(params, x)
     assert [r.recipe.name for r in explain(POLICY, params)] == ["nvfp4", "bf16", "mxfp8"]
+    with pytest.raises(TypeError, match="for a Flax model use fp4lab.flax.explain"):
+        fp4lab.explain(POLICY, params)  # the core explains paths; fp4lab.flax explains models
 
 
 class NNXMLP(nnx.Module):  # written without fp4lab

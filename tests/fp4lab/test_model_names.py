@@ -9,6 +9,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
+import fp4lab.flax
 from fp4lab.flax import quantize_model
 from fp4lab.policy import (PolicyWarning, PrecisionPolicy, Rule, block_pattern_for, explain,
                            nemotron3, nvfp4_paper)
@@ -89,7 +90,7 @@ class NNXModel(nnx.Module):
 def test_nnx_attribute_paths_and_list_indices():
     model = NNXModel(7, nnx.Rngs(0))
     quantize_model(model, nemotron3())
-    t = recipes(explain(nemotron3(), model))
+    t = recipes(fp4lab.flax.explain(nemotron3(), model))
     assert t["layers/0/mlp"] == "nvfp4" and t["layers/6/mlp"] == "bf16"
     assert t["layers/2/attn/query"] == t["layers/2/attn/out"] == "bf16"
     assert t["lm_out"] == "bf16"  # outside the blocks

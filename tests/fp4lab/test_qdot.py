@@ -278,7 +278,8 @@ def test_probes_report_known_underflow_of_every_operand():
     # smallest subnormal 2**-9 * 2**-8 flush to zero. Each 32-block holds one 1.0 and 31 tiny
     # values, so exactly 31/32 of the nonzero entries underflow along the block axis.
     from fp4lab.metrics import METRIC_NAMES
-    from fp4lab.qdot import OPERANDS, probe_table, probe_zeros
+    from fp4lab.probes import probe_table, probe_zeros
+    from fp4lab.recipe import OPERANDS
 
     tiny = 2.0 ** -20
     blockish = np.full((64, 64), tiny, np.float32)
@@ -308,7 +309,7 @@ def test_probes_report_known_underflow_of_every_operand():
 
 
 def test_probes_of_qat_backward_are_nan_and_bf16_is_exact_for_bf16_inputs():
-    from fp4lab.qdot import probe_table, probe_zeros
+    from fp4lab.probes import probe_table, probe_zeros
 
     x, w, g = data()
     loss = lambda p, r: jnp.sum(qdot_general(x, w, DN, r, probe=p) * g)  # noqa: E731

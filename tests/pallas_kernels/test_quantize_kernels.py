@@ -79,11 +79,14 @@ def test_dequantize_kernel_equals_the_reference(fmt):
 
 
 def test_unsupported_inputs_say_why():
-    assert "not a block format" in supports(fp4lab.get_format("fp8_e4m3"), -1, None)
-    assert "no kernel for GGMLQ4_0Scale" in supports(fp4lab.get_format("int4_q4_0"), -1, None)
-    with pytest.raises(ValueError, match="no kernel: kernels block the last axis; axis=-2"):
+    assert "no quantize kernel for AbsMaxScale" in supports(fp4lab.get_format("fp8_e4m3"), -1,
+                                                             None)
+    assert "no quantize kernel for GGMLQ4_0Scale" in supports(fp4lab.get_format("int4_q4_0"),
+                                                              -1, None)
+    with pytest.raises(ValueError, match="no kernel: the MX FP8 quantize kernel blocks axis -1; "
+                                         "axis=-2"):
         quantize(jnp.ones((32, 32)), "mxfp8", axis=0)
-    with pytest.raises(ValueError, match="MX kernels cover 1D blocks only"):
+    with pytest.raises(ValueError, match="MX FP8 quantize kernel serves 1D blocks, not tile"):
         quantize(jnp.ones((32, 32)), "mxfp8", tile=(32, 32))
     with pytest.raises(TypeError, match="floating-point input, got int32"):
         quantize(jnp.ones((4, 32), jnp.int32), "nvfp4")
@@ -134,7 +137,7 @@ def test_stochastic_rounding_kernels_are_unbiased_and_deterministic(fmt):
     for q in (quantize(z, fmt, rounding="stochastic", key=jax.random.key(5)),
               fp4lab.quantize(z, fmt, rounding="stochastic", key=jax.random.key(5))):
         assert np.all(np.asarray(q.data)[1, :16] == 0x88)  # two -0 codes per byte
-    with pytest.raises(ValueError, match="stochastic rounding kernels cover 1D-blocked E2M1"):
+    with pytest.raises(ValueError, match="the MX FP8 quantize kernel rounds nearest, not stochastic"):
         quantize(x, "mxfp8", rounding="stochastic", key=jax.random.key(0))
     with pytest.raises(ValueError, match="needs key"):
         quantize(x, fmt, rounding="stochastic")
