@@ -133,10 +133,10 @@ def kernels() -> list[Kernel]:
     return list(_TABLE.values())
 
 
-def _lookup(r: Request) -> tuple[Kernel | None, str]:
+def _lookup(r: Request, table=None) -> tuple[Kernel | None, str]:
     if math.prod(r.shape) == 0:
         return None, "an empty array is quantized by XLA (its result is empty)"
-    candidates = [k for k in kernels() if k.op == r.op]
+    candidates = [k for k in (kernels() if table is None else table) if k.op == r.op]
     if not candidates:
         return None, f"no {r.op} kernel is registered (install or register pallas_kernels)"
     reasons = []
@@ -156,9 +156,10 @@ def find(request: Request) -> Kernel | None:
     return _lookup(request)[0]
 
 
-def refusal(request: Request) -> str | None:
-    """Why no registered kernel serves ``request``, or ``None`` when one does."""
-    kernel, why = _lookup(request)
+def refusal(request: Request, table: tuple[Kernel, ...] | None = None) -> str | None:
+    """Why no registered kernel (or none of ``table``) serves ``request``, or ``None`` when
+    one does."""
+    kernel, why = _lookup(request, table)
     return None if kernel is not None else why
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4lab.backend import Kernel, Request
+from fp4lab.backend import Kernel, Request, refusal
 from fp4lab.formats import E2M1, E4M3, E5M2, Format, get_format
 from fp4lab.qarray import QArray
 from fp4lab.rounding import abs_max
@@ -91,15 +91,7 @@ def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | N
 
 
 def _refusal(r: Request) -> str | None:
-    reasons = []
-    for k in KERNELS:
-        if k.op == r.op:
-            why = k.refusal(r)
-            if why is None:
-                return None
-            if isinstance(r.format.scaling, k.scheme):
-                reasons.append(why)
-    return "; ".join(reasons) or f"no {r.op} kernel for {type(r.format.scaling).__name__} scales"
+    return refusal(r, KERNELS)
 
 
 # ----------------------------------------------------------------------------- kernel bodies

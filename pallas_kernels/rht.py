@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fp4lab.backend import Kernel, Request
+from fp4lab.backend import Kernel, Request, refusal
 from fp4lab.formats import E2M1, Format, get_format
 from fp4lab.hadamard import rht_signs_and_scale
 from fp4lab.qarray import QArray
@@ -161,8 +161,8 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
     if rounding == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs key=jax.random.key(...)")
     fmt = get_format(fmt)
-    reason = KERNEL.refusal(Request(op="rht_quantize", format=fmt, shape=x.shape, axis=-2,
-                                    rounding=rounding, transform=16))
+    reason = refusal(Request(op="rht_quantize", format=fmt, shape=x.shape, axis=-2,
+                             rounding=rounding, transform=16), (KERNEL,))
     if reason:
         raise ValueError(f"no kernel: {reason}")
     rht_signs_and_scale(16, signs)  # validates signs
