@@ -18,7 +18,7 @@ $(PY): scripts/find-python
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(BASE): pyproject.toml $(PY)
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[experiments,plots]"
 	@touch $(BASE)
 
 $(TEST): pyproject.toml $(PY)

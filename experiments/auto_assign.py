@@ -26,9 +26,10 @@ import math
 import re
 from pathlib import Path
 
-from experiments.train import layer_order, train
+from experiments.probes import layer_order
+from experiments.train import train
 from fp4lab.policy import PrecisionPolicy, Rule, explain, save_policy
-from fp4lab.qdot import OPERANDS
+from fp4lab.recipe import OPERANDS
 from fp4lab.recipe import get_recipe
 
 __all__ = ["layer_passes", "recommend", "assign_from_summaries", "main"]

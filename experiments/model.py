@@ -13,13 +13,27 @@ Written without fp4lab, like any user's model: precision comes from a policy app
 The block pattern uses Nemotron-H's letters: ``M`` Mamba-2 block, ``*`` attention block, ``-``
 MLP block. Every block is pre-norm residual: ``x + mixer(rmsnorm(x))``.
 
-Mamba-2 block: ``in_proj`` to (z, x, B, C, dt); a short causal depthwise convolution and SiLU on
-(x, B, C); the selective scan with a scalar decay per head, ``h_t = exp(dt_t A) h_{t-1} +
-dt_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``, computed for all t at once with
-``jax.lax.associative_scan``; the gated RMSNorm ``norm(y * silu(z))``; ``out_proj``.
+Mamba-2 block: ``in_proj`` to (z, x, B, C, delta); a short causal depthwise convolution and
+SiLU on (x, B, C); the selective scan with a scalar decay per head, with the time step
+``delta_t = softplus(. + dt_bias)``: ``h_t = exp(delta_t A) h_{t-1} + delta_t x_t B_t^T``,
+``y_t = h_t C_t + D x_t``, computed for all t at once with ``jax.lax.associative_scan``; the
+gated RMSNorm ``norm(y * silu(z))``; ``out_proj``.
 
 Compute runs in ``dtype`` (BF16 by default) on FP32 parameters (the master weights); the
 scan, norms, softmax and loss run in FP32.
+
+Activations are named with their shapes, nanodo style: ``x_BxLxD`` has the axes B, L and D
+(``2D``: one axis of size 2 * D; ``1``: a broadcast axis). The letters:
+
+* ``B`` batch, ``L`` sequence length (``T`` too, for the key positions of attention scores),
+  ``D`` model width (``d_model``), ``V`` vocabulary, ``F`` MLP hidden width (``mlp_mult * D``);
+* attention: ``H`` heads, ``K`` head width (``D / H``);
+* Mamba-2: ``E`` inner width (``ssm_expand * D``), ``H`` SSM heads of width ``P``
+  (``ssm_head_dim``, ``E = H * P``), ``N`` state size (``ssm_state``), ``C`` the convolved
+  channels ``E + 2N`` (x, B, C), ``O`` the outputs of ``in_proj`` (``E + C + H``: z, then
+  x, B, C, then the time step), ``W`` the convolution width. The time step of the scan is
+  ``delta`` (``dt`` in the papers; the parameter keeps its name ``dt_bias``); ``dtype`` is
+  always the compute dtype.
 """
 
 from __future__ import annotations
@@ -91,36 +105,44 @@ class Mamba2(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        c, dt_ = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, length, d = x_BxLxD.shape
-        inner, n = c.ssm_expand * d, c.ssm_state
-        heads, p = inner // c.ssm_head_dim, c.ssm_head_dim
-        zxbcdt = _dense(2 * inner + 2 * n + heads, "in_proj", dt_)(x_BxLxD)
-        z, xbc, dt = jnp.split(zxbcdt, [inner, 2 * inner + 2 * n], axis=-1)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        batch, length, d = x_BxLxD.shape
+        inner, n = cfg.ssm_expand * d, cfg.ssm_state
+        heads, p = inner // cfg.ssm_head_dim, cfg.ssm_head_dim
+        proj_BxLxO = _dense(2 * inner + 2 * n + heads, "in_proj", dtype)(x_BxLxD)
+        z_BxLxE, xbc_BxLxC, delta_in_BxLxH = jnp.split(proj_BxLxO, [inner, 2 * inner + 2 * n],
+                                                       axis=-1)
         # short causal depthwise convolution over time
-        w = self.param("conv_kernel", nn.initializers.lecun_normal(), (c.conv_width, xbc.shape[-1]))
-        cb = self.param("conv_bias", nn.initializers.zeros, (xbc.shape[-1],))
-        padded = jnp.pad(xbc.astype(jnp.float32), ((0, 0), (c.conv_width - 1, 0), (0, 0)))
-        xbc = sum(padded[:, k:k + length] * w[k] for k in range(c.conv_width)) + cb
-        xbc = jax.nn.silu(xbc)
-        xs, bm, cm = jnp.split(xbc, [inner, inner + n], axis=-1)
+        conv_WxC = self.param("conv_kernel", nn.initializers.lecun_normal(),
+                              (cfg.conv_width, xbc_BxLxC.shape[-1]))
+        conv_bias_C = self.param("conv_bias", nn.initializers.zeros, (xbc_BxLxC.shape[-1],))
+        padded = jnp.pad(xbc_BxLxC.astype(jnp.float32),
+                         ((0, 0), (cfg.conv_width - 1, 0), (0, 0)))
+        xbc_BxLxC = sum(padded[:, k:k + length] * conv_WxC[k]
+                        for k in range(cfg.conv_width)) + conv_bias_C
+        xbc_BxLxC = jax.nn.silu(xbc_BxLxC)
+        xs_BxLxE, ssm_b_BxLxN, ssm_c_BxLxN = jnp.split(xbc_BxLxC, [inner, inner + n], axis=-1)
         # selective scan (float32)
-        dt_bias = self.param("dt_bias", lambda k, s: jnp.log(jnp.expm1(
+        delta_bias_H = self.param("dt_bias", lambda k, s: jnp.log(jnp.expm1(
             jnp.exp(jax.random.uniform(k, s, minval=jnp.log(1e-3), maxval=jnp.log(1e-1))))),
             (heads,))
-        a_log = self.param("A_log", lambda k, s: jnp.log(jax.random.uniform(
+        a_log_H = self.param("A_log", lambda k, s: jnp.log(jax.random.uniform(
             k, s, minval=1.0, maxval=16.0)), (heads,))
-        skip = self.param("D", nn.initializers.ones, (heads,))
-        dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)  # (B, L, H)
-        decay = jnp.exp(dt * -jnp.exp(a_log))[..., None, None]  # (B, L, H, 1, 1)
-        xh = xs.reshape(b, length, heads, p)
-        inp = (xh * dt[..., None])[..., None] * bm[:, :, None, None, :]  # (B, L, H, P, N)
-        decay = jnp.broadcast_to(decay, inp.shape)
-        _, h = jax.lax.associative_scan(_ssm_combine, (decay, inp), axis=1)
-        y = jnp.einsum("blhpn,bln->blhp", h, cm) + xh * skip[:, None]
-        y = y.reshape(b, length, inner) * jax.nn.silu(z.astype(jnp.float32))
-        y = RMSNorm(name="norm")(y).astype(dt_)
-        return _dense(d, "out_proj", dt_)(y)
+        skip_H = self.param("D", nn.initializers.ones, (heads,))
+        delta_BxLxH = jax.nn.softplus(delta_in_BxLxH.astype(jnp.float32) + delta_bias_H)
+        decay_BxLxHx1x1 = jnp.exp(delta_BxLxH * -jnp.exp(a_log_H))[..., None, None]
+        x_BxLxHxP = xs_BxLxE.reshape(batch, length, heads, p)
+        inp_BxLxHxPxN = ((x_BxLxHxP * delta_BxLxH[..., None])[..., None]
+                         * ssm_b_BxLxN[:, :, None, None, :])
+        decay_BxLxHxPxN = jnp.broadcast_to(decay_BxLxHx1x1, inp_BxLxHxPxN.shape)
+        _, h_BxLxHxPxN = jax.lax.associative_scan(_ssm_combine,
+                                                  (decay_BxLxHxPxN, inp_BxLxHxPxN), axis=1)
+        y_BxLxHxP = (jnp.einsum("blhpn,bln->blhp", h_BxLxHxPxN, ssm_c_BxLxN)
+                     + x_BxLxHxP * skip_H[:, None])
+        y_BxLxE = (y_BxLxHxP.reshape(batch, length, inner)
+                   * jax.nn.silu(z_BxLxE.astype(jnp.float32)))
+        y_BxLxE = RMSNorm(name="norm")(y_BxLxE).astype(dtype)
+        return _dense(d, "out_proj", dtype)(y_BxLxE)
 
 
 class Attention(nn.Module):
@@ -128,16 +150,20 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        c, dt_ = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, length, d = x_BxLxD.shape
-        hd = d // c.num_heads
-        qkv = _dense(3 * d, "qkv", dt_)(x_BxLxD).reshape(b, length, 3, c.num_heads, hd)
-        q, k, v = (qkv[:, :, i].astype(jnp.float32) for i in range(3))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, length, d).astype(dt_)
-        return _dense(d, "out", dt_)(o)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        batch, length, d = x_BxLxD.shape
+        hd = d // cfg.num_heads
+        qkv_BxLx3xHxK = _dense(3 * d, "qkv", dtype)(x_BxLxD).reshape(
+            batch, length, 3, cfg.num_heads, hd)
+        q_BxLxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxLx3xHxK[:, :, i].astype(jnp.float32)
+                                           for i in range(3))
+        scores_BxHxLxT = (jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxK, k_BxTxHxK)
+                          / jnp.sqrt(hd).astype(jnp.float32))
+        causal_LxT = jnp.tril(jnp.ones((length, length), bool))
+        probs_BxHxLxT = jax.nn.softmax(jnp.where(causal_LxT, scores_BxHxLxT, -jnp.inf), axis=-1)
+        o_BxLxD = jnp.einsum("bhqk,bkhd->bqhd", probs_BxHxLxT, v_BxTxHxK).reshape(
+            batch, length, d).astype(dtype)
+        return _dense(d, "out", dtype)(o_BxLxD)
 
 
 class MLP(nn.Module):
@@ -145,9 +171,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        c, dt_ = self.cfg, jnp.dtype(self.cfg.dtype)
-        h = _dense(c.mlp_mult * x_BxLxD.shape[-1], "up", dt_)(x_BxLxD)
-        return _dense(x_BxLxD.shape[-1], "down", dt_)(jnp.square(jax.nn.relu(h)))
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        h_BxLxF = _dense(cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
+        return _dense(x_BxLxD.shape[-1], "down", dtype)(jnp.square(jax.nn.relu(h_BxLxF)))
 
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}
@@ -158,9 +184,9 @@ class Block(nn.Module):
     kind: str
 
     @nn.compact
-    def __call__(self, x):
-        h = _MIXERS[self.kind](self.cfg, name=self.kind)(RMSNorm(name="norm")(x))
-        return x + h.astype(x.dtype)
+    def __call__(self, x_BxLxD):
+        h_BxLxD = _MIXERS[self.kind](self.cfg, name=self.kind)(RMSNorm(name="norm")(x_BxLxD))
+        return x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype)
 
 
 class HybridLM(nn.Module):
@@ -173,20 +199,21 @@ class HybridLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxL):
-        c, dt_ = self.cfg, jnp.dtype(self.cfg.dtype)
-        embed = nn.Embed(c.vocab, c.d_model, name="embed")
-        x = embed(tokens_BxL).astype(jnp.float32)  # the residual stream stays in float32
-        for i, letter in enumerate(c.pattern):
-            x = Block(c, BLOCK_KINDS[letter], name=f"blocks_{i}")(x)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed")
+        x_BxLxD = embed(tokens_BxL).astype(jnp.float32)  # the residual stream stays in float32
+        for i, letter in enumerate(cfg.pattern):
+            x_BxLxD = Block(cfg, BLOCK_KINDS[letter], name=f"blocks_{i}")(x_BxLxD)
         final_norm = RMSNorm(name="final_norm")
-        head = _dense(c.vocab, "head", dt_)
-        logits = head(final_norm(x).astype(dt_)).astype(jnp.float32)
-        if not c.mtp:
-            return logits, None
-        nxt = jnp.pad(embed(tokens_BxL[:, 1:]), ((0, 0), (0, 1), (0, 0)))
-        hm = jnp.concatenate([RMSNorm(name="mtp_norm_h")(x), RMSNorm(name="mtp_norm_e")(nxt)],
-                             axis=-1).astype(dt_)
-        hm = _dense(c.d_model, "mtp_proj", dt_)(hm).astype(jnp.float32)
-        hm = Block(c, "mlp", name="mtp_block")(hm)
-        mtp_head = _dense(c.vocab, "mtp_head", dt_)
-        return logits, mtp_head(final_norm(hm).astype(dt_)).astype(jnp.float32)
+        head = _dense(cfg.vocab, "head", dtype)
+        logits_BxLxV = head(final_norm(x_BxLxD).astype(dtype)).astype(jnp.float32)
+        if not cfg.mtp:
+            return logits_BxLxV, None
+        next_BxLxD = jnp.pad(embed(tokens_BxL[:, 1:]), ((0, 0), (0, 1), (0, 0)))
+        hm_BxLx2D = jnp.concatenate([RMSNorm(name="mtp_norm_h")(x_BxLxD),
+                                     RMSNorm(name="mtp_norm_e")(next_BxLxD)],
+                                    axis=-1).astype(dtype)
+        hm_BxLxD = _dense(cfg.d_model, "mtp_proj", dtype)(hm_BxLx2D).astype(jnp.float32)
+        hm_BxLxD = Block(cfg, "mlp", name="mtp_block")(hm_BxLxD)
+        mtp_head = _dense(cfg.vocab, "mtp_head", dtype)
+        return logits_BxLxV, mtp_head(final_norm(hm_BxLxD).astype(dtype)).astype(jnp.float32)

@@ -11,9 +11,11 @@ For every policy in ``sweep.policies`` it trains one run in ``<out>/runs/<policy
 * ``underflow_heatmap.png`` and ``sqnr_heatmap.png``: layer x GEMM-operand maps, one panel per
   run (mean over the probe steps; grey: the operand is not quantized).
 
-Each run's result is written atomically when it finishes; rerunning the command skips finished
-runs (and resumes an interrupted one from its checkpoint). A run that fails is recorded with
-status ``failed`` and its error, and the sweep goes on (``--retry-failed`` runs it again).
+This module owns the loop over the policies and the reports; every file is written atomically
+(``experiments.records.write_atomic``). Each run's result is written when it finishes;
+rerunning the command skips finished runs (and resumes an interrupted one from its
+checkpoint). A run that fails is recorded with status ``failed`` and its error, and the sweep
+goes on (``--retry-failed`` runs it again).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from experiments.configs import config_changes, format_changes
-from experiments.train import KIND_ORDER, layer_order, read_jsonl, train, write_json_atomic
+from experiments.probes import KIND_ORDER, layer_order
+from experiments.records import read_jsonl, write_atomic, write_json_atomic
+from experiments.train import train
 
 __all__ = ["run_sweep", "results_table", "write_reports", "main"]
 
@@ -126,21 +130,15 @@ def _markdown(header, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_text_atomic(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_reports(results: list[dict], out: Path) -> str:
     """Write results.csv/.md and the plots; return the Markdown table."""
     out = Path(out)
     header, rows = results_table(results)
     buf = io.StringIO()
     csv.writer(buf).writerows([header] + rows)
-    _write_text_atomic(out / "results.csv", buf.getvalue())
+    write_atomic(out / "results.csv", buf.getvalue())
     md = _markdown(header, rows)
-    _write_text_atomic(out / "results.md", md)
+    write_atomic(out / "results.md", md)
     ok = [r for r in results if r["status"] == "ok"]
     if ok:
         plot_losses(ok, out / "runs", out / "loss_curves.png")
@@ -148,6 +146,12 @@ def write_reports(results: list[dict], out: Path) -> str:
                               ("sqnr_db", "sqnr_heatmap.png")):
             plot_heatmaps(ok, metric, out / fname)
     return md
+
+
+def _save_png(fig, path: Path):
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_atomic(path, buf.getvalue())
 
 
 def _smooth(y, n):
@@ -178,16 +182,14 @@ def plot_losses(results, runs_dir: Path, path: Path):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    _save_png(fig, path)
 
 
 def plot_heatmaps(results, metric: str, path: Path):
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
-    from fp4lab.qdot import OPERANDS
+    from fp4lab.recipe import OPERANDS
 
     panels = [r for r in results if r.get("probe_summary")]
     if not panels:
@@ -223,9 +225,7 @@ def plot_heatmaps(results, metric: str, path: Path):
                  label="underflow %" if is_under else "SQNR dB (clipped at 40)")
     fig.suptitle(f"{'underflow' if is_under else 'SQNR'} per layer and GEMM operand "
                  "(mean over probe steps; grey: not quantized)", fontsize=10)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    _save_png(fig, path)
 
 
 def main(argv=None):

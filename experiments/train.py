@@ -1,7 +1,10 @@
 """Train the hybrid LM under a precision policy, with numerics probes, checkpoints and resume.
 
 ``train(config, workdir)`` runs one experiment and returns its result (also written atomically
-to ``workdir/result.json``). What it does:
+to ``workdir/result.json``). This module owns the run: setup, the loop, checkpoints and
+resume, Ctrl-C, divergence and the command line. The pure state, optimizer, loss and step
+are in ``experiments.step``, the files a run writes in ``experiments.records``, the probe
+records and summaries in ``experiments.probes``. What a run does:
 
 * optax AdamW with a cosine or warmup-stable-decay (WSD) schedule and gradient clipping; FP32
   master weights, BF16 compute (the model's ``dtype``); the policy quantizes every GEMM;
@@ -20,14 +23,14 @@ to ``workdir/result.json``). What it does:
 * Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
   (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once);
 * ``metrics.jsonl`` (one line per step, plus ``val`` and ``probe`` lines) and TensorBoard
-  event files under ``tb/``; a progress bar with loss and tokens/s;
+  event files under ``tb/``; a tqdm progress bar with loss and tokens/s;
 * a non-finite loss or gradient: the step is rejected on the device, the last good state is
   saved and :class:`TrainingDiverged` names the step;
 * ``train.bf16_last_fraction``: the last fraction of the steps run with every layer in BF16
   (the NVFP4 paper's late precision switch);
 * numerics probes every ``probes.every`` steps: for every quantized layer and each of the six
   GEMM operands (fprop X/W, dgrad dY/W, wgrad X/dY, the gradients being that step's real
-  ones) underflow, saturation, relative MSE, SQNR and scale health (``fp4lab.qdot`` probes).
+  ones) underflow, saturation, relative MSE, SQNR and scale health (``fp4lab.probes``).
   ``probes.fused=True`` computes them in the training step itself (one compiled program, about
   10 % slower per step on CPU), ``False`` compiles a separate probing step used only on probe
   steps (better for long runs).
@@ -38,9 +41,8 @@ to ``workdir/result.json``). What it does:
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-import re
 import shutil
 import signal
 import sys
@@ -48,23 +50,25 @@ import threading
 import time
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
 
 from experiments import policies
-from experiments.data import TextData, load_text
-from experiments.model import HybridLM, ModelConfig
-from fp4lab import delayed
+from experiments.data import Batch, TextData, load_text
+from experiments.model import HybridLM
+from experiments.probes import (layer_kind, layer_order, probe_records, summarize_probes,
+                                underflow_by_kind)
+from experiments.records import RunRecords, read_jsonl, write_json_atomic
+from experiments.step import TrainState, make_eval, make_optimizer, make_step, model_config
 from fp4lab.flax import quantize_model
-from fp4lab.metrics import METRIC_NAMES
-from fp4lab.qdot import OPERANDS
 
-__all__ = ["train", "TrainingDiverged", "TrainingInterrupted", "TrainState", "layer_kind",
-           "layer_order", "write_json_atomic", "read_jsonl"]
+__all__ = ["train", "main", "TrainingDiverged", "TrainingInterrupted", "TrainState",
+           "make_optimizer", "make_step", "model_config", "read_jsonl",
+           # moved to experiments.probes / experiments.records, still importable from here
+           "layer_kind", "layer_order", "write_json_atomic"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -101,195 +105,7 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: dict
-    opt_state: optax.OptState
-    bad_step: jax.Array  # -1, or the first step whose loss/gradient was not finite
-    # FP8 delayed scaling: the "amax_history" collection (None when no layer uses it)
-    amax_history: dict | None = None
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never a partial one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
-    os.replace(tmp, path)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def layer_kind(path: str) -> str:
-    """``blocks_3/mamba/out_proj`` -> ``mamba/out_proj`` (the layer's role, without depth)."""
-    return re.sub(r"(?:^|(?<=/))blocks_\d+/", "", path)
-
-
-KIND_ORDER = ("mamba/in_proj", "mamba/out_proj", "attention/qkv", "attention/out", "mlp/up",
-              "mlp/down", "head")
-
-
-def layer_order(path: str):
-    """Sort key: block index (layers outside blocks last), then the role in KIND_ORDER."""
-    m = re.match(r"blocks_(\d+)/", path)
-    kind = layer_kind(path)
-    return (int(m.group(1)) if m else 1 << 30,
-            KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER), path)
-
-
-class Progress:
-    """A one-line progress bar on a terminal; plain log lines otherwise."""
-
-    def __init__(self, name: str, total: int, enabled: bool = True):
-        self.name, self.total, self.enabled = name, total, enabled
-        self.tty = sys.stderr.isatty()
-
-    def update(self, step: int, **values):
-        if not self.enabled:
-            return
-        frac = step / max(self.total, 1)
-        text = "  ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in values.items())
-        if self.tty:
-            bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-            sys.stderr.write(f"\r{self.name} [{bar}] {step}/{self.total}  {text}\033[K")
-        else:
-            sys.stderr.write(f"{self.name} {step}/{self.total}  {text}\n")
-        sys.stderr.flush()
-
-    def close(self):
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-def model_config(config) -> ModelConfig:
-    return ModelConfig(**dict(config.model))
-
-
-def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    if t.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup, t.steps,
-                                                   end_value=t.lr * t.min_lr_ratio)
-    elif t.schedule == "wsd":
-        decay = max(1, int(round(t.steps * t.decay_fraction)))
-        stable = max(0, t.steps - t.warmup - decay)
-        sched = optax.join_schedules([
-            optax.linear_schedule(0.0, t.lr, t.warmup), optax.constant_schedule(t.lr),
-            optax.linear_schedule(t.lr, t.lr * t.min_lr_ratio, decay)],
-            [t.warmup, t.warmup + stable])
-    else:
-        raise ValueError(f"train.schedule={t.schedule!r}: use 'cosine' or 'wsd'")
-    tx = optax.chain(optax.clip_by_global_norm(t.clip),
-                     optax.adamw(sched, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
-    return tx, sched
-
-
-def _cross_entropy(logits, targets, weights):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def make_loss(qmodel, mtp_weight: float):
-    def loss_fn(params, probes, history, tokens, weights, key):
-        variables = {"params": params}
-        if probes is not None:
-            variables["probes"] = probes
-        if history is not None:
-            variables["amax_history"] = history
-        logits, mtp_logits = qmodel.apply(variables, tokens[:, :-1], rngs={"quant": key})
-        loss = main = _cross_entropy(logits, tokens[:, 1:], weights)
-        if mtp_logits is not None:
-            loss = loss + mtp_weight * _cross_entropy(mtp_logits[:, :-1], tokens[:, 2:],
-                                                      weights[:, 1:])
-        return loss, main
-
-    return loss_fn
-
-
-def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool):
-    loss_fn = make_loss(qmodel, mtp_weight)
-    base_key = jax.random.key(seed)
-
-    def step(state: TrainState, tokens, weights, probes):
-        key = jax.random.fold_in(base_key, state.step)
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
-        (loss, main), (grads, probe_grads, seen) = grad_fn(
-            state.params, probes if with_probes else None, state.amax_history, tokens,
-            weights, key)
-        gnorm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & (state.bad_step < 0)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
-        history = None if state.amax_history is None else keep(
-            delayed.update(state.amax_history, seen), state.amax_history)
-        new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
-                         params=keep(params, state.params),
-                         opt_state=keep(opt_state, state.opt_state),
-                         bad_step=jnp.where(ok | (state.bad_step >= 0), state.bad_step,
-                                            state.step),
-                         amax_history=history)
-        metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
-                   "lr": sched(state.step)}
-        return new, metrics, probe_grads
-
-    return jax.jit(step, donate_argnums=0)
-
-
-def _probe_records(probe_grads) -> dict:
-    """``{layer: {operand: {metric: value}}}`` from the probes' gradient (host arrays)."""
-    out = {}
-
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, prefix + [k])
-                continue
-            a = np.asarray(v)  # a layer's "gemm", or an intercepted op's (einsum_0, ...)
-            name = "/".join(prefix if k == "gemm" else prefix + [k])
-            out[name] = {op: {m: float(a[i, j]) for j, m in enumerate(METRIC_NAMES)}
-                         for i, op in enumerate(OPERANDS)}
-
-    walk(probe_grads, [])
-    return out
-
-
-def summarize_probes(records: list[dict]) -> dict:
-    """Mean over probe steps of each layer/operand/metric (NaN: operand not quantized)."""
-    if not records:
-        return {}
-    layers = records[0]["probes"]
-    out = {}
-    for layer, ops in layers.items():
-        out[layer] = {op: {m: float(np.nanmean([r["probes"][layer][op][m] for r in records]))
-                           if any(np.isfinite(r["probes"][layer][op][m]) for r in records)
-                           else float("nan") for m in METRIC_NAMES} for op in ops}
-    return out
-
-
-def underflow_by_kind(summary: dict) -> dict[str, float]:
-    """Mean underflow over the quantized operands of every layer of each kind."""
-    by = {}
-    for layer, ops in summary.items():
-        vals = [v["underflow"] for v in ops.values() if np.isfinite(v["underflow"])]
-        by.setdefault(layer_kind(layer), []).extend(vals)
-    return {k: float(np.mean(v)) if v else float("nan") for k, v in sorted(by.items())}
-
-
-# ----------------------------------------------------------------------------- the run
+# ----------------------------------------------------------------------------- checks
 
 
 def _check(config, data: TextData, n_devices: int):
@@ -326,19 +142,52 @@ def _check_resume(stored: Path, config, allow_changes, workdir) -> dict[str, tup
     return changes
 
 
-def train(config, workdir, *, data: TextData | None = None, progress: bool = True,
-          allow_changes=()) -> dict:
-    """Run (or resume) one experiment in ``workdir``; returns the result dict.
+# ----------------------------------------------------------------------------- setup
 
-    ``allow_changes``: config keys (``"train.steps"``) or sections (``"train"``) that may
-    differ from the run already in ``workdir`` when resuming it (see the module docstring)."""
-    import orbax.checkpoint as ocp
-    from tensorboardX import SummaryWriter
 
-    workdir = Path(workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    if config.get("compile_cache"):
-        jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Data parallelism: the batch sharded on a ``data`` mesh axis, the state replicated."""
+
+    devices: list
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    @classmethod
+    def over(cls, devices) -> _Placement:
+        mesh = Mesh(np.array(devices), ("data",))
+        return cls(devices, NamedSharding(mesh, P("data")), NamedSharding(mesh, P()))
+
+    def to_global(self, batch_np: np.ndarray) -> jax.Array:
+        """The global batch (every process computes the same one: a function of the step)
+        as an array sharded over all devices; each process supplies its devices' rows."""
+        if jax.process_count() == 1:
+            return jax.device_put(batch_np, self.batch)
+        return jax.make_array_from_callback(batch_np.shape, self.batch,
+                                            lambda index: batch_np[index])
+
+    def put(self, b: Batch) -> tuple[jax.Array, jax.Array]:
+        return self.to_global(b.tokens), self.to_global(b.weights)
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What a run trains: the quantized model (and its all-BF16 twin for the late switch),
+    the optimizer, the initial state, the probes' zero inputs (None: no probes)."""
+
+    data: TextData
+    place: _Placement
+    qmodel: object
+    bf16_model: object
+    tx: object
+    sched: object
+    state: TrainState
+    probes: dict | None
+    params: dict  # the initial parameters and a sample batch, for ``qmodel.explain``
+    sample: jax.Array
+
+
+def _build(config, data: TextData | None) -> _Setup:
     t, d = config.train, config.data
     policy = policies.get(config.precision.policy)
     model = HybridLM(model_config(config))
@@ -347,17 +196,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                          suffixes=tuple(d.get("suffixes", ())))
     devices = jax.devices()
     _check(config, data, len(devices))
-    mesh = Mesh(np.array(devices), ("data",))
-    batch_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-
-    def to_global(batch_np):
-        """The global batch (every process computes the same one: a function of the step)
-        as an array sharded over all devices; each process supplies its devices' rows."""
-        if jax.process_count() == 1:
-            return jax.device_put(batch_np, batch_sharding)
-        return jax.make_array_from_callback(batch_np.shape, batch_sharding,
-                                            lambda index: batch_np[index])
-
+    place = _Placement.over(devices)
     tx, sched = make_optimizer(t)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
@@ -365,185 +204,295 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1), amax_history=history)
-    state = jax.device_put(state, replicated)
+    return _Setup(
+        data=data, place=place, qmodel=qmodel,
+        bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
+        state=jax.device_put(state, place.replicated),
+        probes=qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None,
+        params=params, sample=sample)
 
-    bf16_model = quantize_model(model, policies.get("bf16"))
-    probes = qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None
-    steps_fn = {}
 
-    def step_fn(model_, with_probes):
-        nonlocal last_log
-        k = (id(model_), with_probes)
-        if k not in steps_fn:  # a new program: its compile time is not training time
-            last_log = last_log[:2] + (True,)
-            steps_fn[k] = make_step(model_, tx, sched, config.seed, t.mtp_weight, with_probes)
-        return steps_fn[k]
+# ----------------------------------------------------------------------------- files
 
-    switch = t.steps - int(round(t.steps * t.bf16_last_fraction))
-    val = data.val_batches(d.val_batches, d.batch_size, d.seq_len)
-    eval_fns = {}
 
-    def evaluate(model_, state):
-        """Validation loss (delayed scaling: with the history the next step would use)."""
-        if id(model_) not in eval_fns:
-            loss_fn = make_loss(model_, 0.0)
-            eval_fns[id(model_)] = jax.jit(lambda p, h, tok, w: loss_fn(
-                p, None, h, tok, w, jax.random.key(config.seed))[1])
-        f = eval_fns[id(model_)]
-        return float(np.mean([f(state.params, state.amax_history, to_global(b.tokens),
-                                to_global(b.weights)) for b in val]))
+class _Checkpoints:
+    """orbax checkpoints of the TrainState in ``workdir/ckpt`` (the latest two kept)."""
 
-    # ---- resume
-    ckpt = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, create=True))
-    # process 0 writes the run's files; other processes (multi-host) write theirs beside it
-    out = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    changes_path = out / "config_changes.jsonl"
-    if jax.process_index() == 0:  # what an interrupted save may have left behind
-        for tmp_dir in (workdir / "ckpt").glob("*orbax-checkpoint-tmp*"):
+    def __init__(self, workdir: Path):
+        import orbax.checkpoint as ocp
+
+        self._ocp, self.dir = ocp, workdir / "ckpt"
+        self.manager = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True))
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: TrainState, *, force: bool = False, wait: bool = False):
+        self.manager.save(step, args=self._ocp.args.StandardSave(state), force=force)
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Until the saves in flight are on disk."""
+        self.manager.wait_until_finished()
+
+    def restore(self, like: TrainState) -> TrainState:
+        abstract = jax.tree.map(self._ocp.utils.to_shape_dtype_struct, like)
+        return self.manager.restore(self.latest(), args=self._ocp.args.StandardRestore(abstract))
+
+    def remove_partial(self):
+        """What an interrupted save may have left behind."""
+        for tmp_dir in self.dir.glob("*orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _resume(ckpt: _Checkpoints, records: RunRecords, state: TrainState, config,
+            allow_changes, workdir: Path) -> TrainState:
+    """The state to start from: the latest checkpoint's (the metrics written after it are
+    dropped) or ``state`` for a new run; writes ``config.json`` and the config changes."""
     start, changes = 0, {}
-    if ckpt.latest_step() is not None:
-        changes = _check_resume(out / "config.json", config, allow_changes, workdir)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(abstract))
+    if ckpt.latest() is not None:
+        changes = _check_resume(records.out / "config.json", config, allow_changes, workdir)
+        state = ckpt.restore(state)
         start = int(state.step)
-        kept = [r for r in read_jsonl(metrics_path) if r["step"] < start]
-        tmp = metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, metrics_path)
+        records.keep_before(start)
     else:
-        for stale in (metrics_path, changes_path):
-            stale.unlink(missing_ok=True)
-    write_json_atomic(out / "config.json", config.to_dict())
-    if changes:
-        with changes_path.open("a") as f:
-            f.write(json.dumps({"step": start, "changes": changes}) + "\n")
+        records.start_fresh()
+    records.write_config(config.to_dict(), start, changes)
+    return state
 
-    tb = SummaryWriter(str(out / "tb"))
-    bar = Progress(config.name, t.steps, progress)
-    tokens_per_step = d.batch_size * d.seq_len
-    pending: list[tuple[int, dict]] = []
-    last_log = (start, time.perf_counter(), False)  # (step, time, interval holds a compile)
-    started = time.perf_counter()
 
-    def flush(step_now: int):
-        """Fetch the pending metrics (the only host sync), write them, check for NaN."""
-        nonlocal pending, last_log
-        if not pending:
-            return
-        values = jax.device_get([m for _, m in pending])
-        now = time.perf_counter()
-        s0, t0, compiled = last_log
-        rate = (step_now - s0) * tokens_per_step / (now - t0)
-        with metrics_path.open("a") as f:
-            for i, ((s, _), v) in enumerate(zip(pending, values)):
-                rec = {"step": s, **{k: float(x) for k, x in v.items()}}
-                if i == len(pending) - 1 and not compiled:  # the interval's throughput
-                    rec["tokens_per_s"] = rate
-                f.write(json.dumps(rec) + "\n")
-                for k, x in rec.items():
-                    if k not in ("step", "tokens_per_s"):
-                        tb.add_scalar(f"train/{k}", x, s)
-        tb.add_scalar("train/tokens_per_s", rate, step_now)
-        bar.update(step_now, loss=float(values[-1]["loss"]), **{"tok/s": round(rate)})
-        pending, last_log = [], (step_now, now, False)
-        bad = int(state.bad_step)
-        if bad >= 0:
-            ckpt.save(bad, args=ocp.args.StandardSave(state), force=True)
-            ckpt.wait_until_finished()
-            tb.close()
-            raise TrainingDiverged(
-                f"{config.name}: the loss or gradient became non-finite at step {bad}; saved "
-                f"the last good state (before step {bad}) in {workdir / 'ckpt'}")
+# ----------------------------------------------------------------------------- the loop
 
-    def mark(step_now: int):
+
+@dataclasses.dataclass
+class _Interval:
+    """The steps since the last throughput measurement: from ``step`` at ``time``."""
+
+    step: int
+    time: float
+    compiled: bool = False  # it holds a compile: its rate is not training speed
+
+
+@dataclasses.dataclass
+class _StepLog:
+    """The step metrics still on the device and the throughput interval they belong to;
+    :meth:`flush` fetches them (the loop's only host sync) and writes them."""
+
+    records: RunRecords
+    bar: tqdm
+    tokens_per_step: int
+    interval: _Interval
+    pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+
+    def add(self, step: int, metrics: dict):
+        self.pending.append((step, metrics))
+
+    def mark(self, step_now: int):
         """Start a new rate interval (the last one held evaluation, probes or a save)."""
-        nonlocal last_log
-        last_log = (step_now, time.perf_counter(), False)
+        self.interval = _Interval(step_now, time.perf_counter())
 
-    probe_records = [r for r in read_jsonl(metrics_path) if "probes" in r]
-    with _StopOnInterrupt() as stop:
-        try:
-            for s in range(start, t.steps):
-                model_s = qmodel if s < switch else bf16_model
-                do_probe = bool(config.probes.every) and model_s is qmodel and (
-                    s % config.probes.every == 0 or s == t.steps - 1)
-                fn = step_fn(model_s, with_probes=bool(probes is not None and (
-                    config.probes.fused or do_probe) and model_s is qmodel))
-                b = data.batch(config.seed, s, d.batch_size, d.seq_len)
-                state, metrics, probe_grads = fn(state, to_global(b.tokens), to_global(b.weights),
-                                                 probes)
-                pending.append((s, metrics))
-                if do_probe:
-                    flush(s + 1)
-                    rec = {"step": s, "probes": _probe_records(jax.device_get(probe_grads))}
-                    probe_records.append(rec)
-                    for layer, ops in rec["probes"].items():
-                        for op, m in ops.items():
-                            for metric in ("underflow", "sqnr_db"):  # NaN: not quantized;
-                                if np.isfinite(m[metric]):  # inf dB: exact
-                                    tb.add_scalar(f"{metric}/{layer}/{op}", m[metric], s)
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    mark(s + 1)  # the probe fetch is not training time
-                if (s + 1) % t.log_every == 0 or s + 1 == t.steps:
-                    flush(s + 1)
-                if t.eval_every and (s + 1) % t.eval_every == 0 and s + 1 < t.steps:
-                    flush(s + 1)
-                    v = evaluate(model_s, state)
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps({"step": s, "val_loss": v}) + "\n")
-                    tb.add_scalar("val/loss", v, s + 1)
-                    mark(s + 1)
-                if t.ckpt_every and (s + 1) % t.ckpt_every == 0 and s + 1 < t.steps:
-                    flush(s + 1)
-                    ckpt.save(s + 1, args=ocp.args.StandardSave(state))
-                    mark(s + 1)
-                if stop.requested and s + 1 < t.steps:
-                    flush(s + 1)
-                    if ckpt.latest_step() != s + 1:
-                        ckpt.save(s + 1, args=ocp.args.StandardSave(state), force=True)
-                    ckpt.wait_until_finished()
-                    raise TrainingInterrupted(
-                        f"{config.name}: interrupted after step {s + 1} of {t.steps}; its "
-                        f"checkpoint is in {workdir / 'ckpt'}. Run the same command again to "
-                        "resume (bit-exactly).")
-            flush(t.steps)
-            final_model = qmodel if t.steps - 1 < switch else bf16_model
-            val_loss = evaluate(final_model, state)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps({"step": t.steps - 1, "val_loss": val_loss}) + "\n")
-            tb.add_scalar("val/loss", val_loss, t.steps)
-            if ckpt.latest_step() != t.steps:  # (a rerun of a finished run restores this one)
-                ckpt.save(t.steps, args=ocp.args.StandardSave(state), force=True)
-            ckpt.wait_until_finished()
-        finally:
-            bar.close()
-            tb.close()
+    def flush(self, step_now: int) -> bool:
+        """Write the pending metrics (steps before ``step_now``); False if there were none."""
+        if not self.pending:
+            return False
+        values = jax.device_get([m for _, m in self.pending])
+        now = time.perf_counter()
+        rate = ((step_now - self.interval.step) * self.tokens_per_step
+                / (now - self.interval.time))
+        recs = [{"step": s, **{k: float(x) for k, x in v.items()}}
+                for (s, _), v in zip(self.pending, values)]
+        if not self.interval.compiled:  # the interval's throughput
+            recs[-1]["tokens_per_s"] = rate
+        self.records.steps(recs)
+        self.records.scalar("train/tokens_per_s", rate, step_now)
+        self.bar.set_postfix({"loss": f"{recs[-1]['loss']:.4g}", "tok/s": f"{rate:,.0f}"},
+                             refresh=False)
+        self.bar.update(step_now - self.bar.n)
+        self.pending, self.interval = [], _Interval(step_now, now)
+        return True
 
-    steps = [r for r in read_jsonl(metrics_path) if "loss" in r]
+
+class _Programs:
+    """The compiled train steps (per model and probing) and evaluations of one run; a new
+    program marks the log's interval (its compile time is not training time)."""
+
+    def __init__(self, config, setup: _Setup, log: _StepLog):
+        self.config, self.setup, self.log = config, setup, log
+        self._steps, self._evals = {}, {}
+        self._val = setup.data.val_batches(config.data.val_batches, config.data.batch_size,
+                                           config.data.seq_len)
+
+    def step(self, model, with_probes: bool):
+        k = (id(model), with_probes)
+        if k not in self._steps:
+            self.log.interval.compiled = True
+            self._steps[k] = make_step(model, self.setup.tx, self.setup.sched,
+                                       self.config.seed, self.config.train.mtp_weight,
+                                       with_probes)
+        return self._steps[k]
+
+    def evaluate(self, model, state: TrainState) -> float:
+        """Validation loss (delayed scaling: with the history the next step would use)."""
+        if id(model) not in self._evals:
+            self._evals[id(model)] = make_eval(model, self.config.seed)
+        f = self._evals[id(model)]
+        return float(np.mean([f(state.params, state.amax_history, *self.setup.place.put(b))
+                              for b in self._val]))
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The training loop of one run, from ``state`` (the resumed one) to ``train.steps``."""
+
+    config: object
+    setup: _Setup
+    ckpt: _Checkpoints
+    records: RunRecords
+    log: _StepLog
+    stop: _StopOnInterrupt
+    state: TrainState
+    probe_history: list[dict]  # the probe lines so far (those before a resumed step too)
+
+    def __post_init__(self):
+        self.programs = _Programs(self.config, self.setup, self.log)
+        t = self.config.train
+        self.switch = t.steps - int(round(t.steps * t.bf16_last_fraction))
+
+    def model_at(self, step: int):
+        return self.setup.qmodel if step < self.switch else self.setup.bf16_model
+
+    def run(self, start: int) -> float:
+        """Train the steps from ``start``; returns the final validation loss."""
+        for s in range(start, self.config.train.steps):
+            self._step(s)
+        return self._finish()
+
+    def _step(self, s: int):
+        c, model = self.config, self.model_at(s)
+        do_probe = bool(c.probes.every) and model is self.setup.qmodel and (
+            s % c.probes.every == 0 or s == c.train.steps - 1)
+        fn = self.programs.step(model, with_probes=bool(
+            self.setup.probes is not None and (c.probes.fused or do_probe)
+            and model is self.setup.qmodel))
+        b = self.setup.data.batch(c.seed, s, c.data.batch_size, c.data.seq_len)
+        self.state, metrics, probe_grads = fn(self.state, *self.setup.place.put(b),
+                                              self.setup.probes)
+        self.log.add(s, metrics)
+        if do_probe:
+            self._flush(s + 1)
+            rec = {"step": s, "probes": probe_records(jax.device_get(probe_grads))}
+            self.probe_history.append(rec)
+            self.records.probes(rec)
+            self.log.mark(s + 1)  # the probe fetch is not training time
+        self._after_step(s, model)
+
+    def _after_step(self, s: int, model):
+        """Log, evaluate, checkpoint, and stop on Ctrl-C, as the config says."""
+        t, done = self.config.train, s + 1
+        if done % t.log_every == 0 or done == t.steps:
+            self._flush(done)
+        if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+            self._flush(done)
+            self.records.val_loss(s, self.programs.evaluate(model, self.state), done)
+            self.log.mark(done)
+        if t.ckpt_every and done % t.ckpt_every == 0 and done < t.steps:
+            self._flush(done)
+            self.ckpt.save(done, self.state)
+            self.log.mark(done)
+        if self.stop.requested and done < t.steps:
+            self._flush(done)
+            if self.ckpt.latest() != done:
+                self.ckpt.save(done, self.state, force=True)
+            self.ckpt.wait()
+            raise TrainingInterrupted(
+                f"{self.config.name}: interrupted after step {done} of {t.steps}; its "
+                f"checkpoint is in {self.ckpt.dir}. Run the same command again to "
+                "resume (bit-exactly).")
+
+    def _flush(self, step_now: int):
+        """Write the pending metrics, then stop if a step was rejected as non-finite."""
+        if not self.log.flush(step_now):
+            return
+        bad = int(self.state.bad_step)
+        if bad >= 0:
+            self.ckpt.save(bad, self.state, force=True, wait=True)
+            raise TrainingDiverged(
+                f"{self.config.name}: the loss or gradient became non-finite at step {bad}; "
+                f"saved the last good state (before step {bad}) in {self.ckpt.dir}")
+
+    def _finish(self) -> float:
+        steps = self.config.train.steps
+        self._flush(steps)
+        val_loss = self.programs.evaluate(self.model_at(steps - 1), self.state)
+        self.records.val_loss(steps - 1, val_loss, steps)
+        if self.ckpt.latest() != steps:  # (a rerun of a finished run restores this one)
+            self.ckpt.save(steps, self.state, force=True)
+        self.ckpt.wait()
+        return val_loss
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict],
+            val_loss: float, started: float) -> dict:
+    t, d = config.train, config.data
+    steps = records.read("loss")
     rates = [r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
     tail = max(1, len(steps) // 10)
-    summary = summarize_probes(probe_records)
-    result = {
+    summary = summarize_probes(probe_history)
+    return {
         "name": config.name, "policy": config.precision.policy, "status": "ok",
-        "steps": t.steps, "tokens": t.steps * tokens_per_step,
+        "steps": t.steps, "tokens": t.steps * d.batch_size * d.seq_len,
         "final_train_loss": float(np.mean([r["loss"] for r in steps[-tail:]])),
         "val_loss": val_loss,
         "tokens_per_s": float(np.median(rates)) if rates else float("nan"),
         "probes_fused": bool(config.probes.fused and config.probes.every),
-        "wall_s": time.perf_counter() - started, "devices": len(devices),
-        "platform": devices[0].platform,
+        "wall_s": time.perf_counter() - started, "devices": len(setup.place.devices),
+        "platform": setup.place.devices[0].platform,
         "underflow_by_kind": underflow_by_kind(summary),
         "probe_summary": summary,
         "layers": {a.path: a.recipe.name if a.recipe else "-"
-                   for a in qmodel.explain({"params": params}, sample)},
-        "config_changes": read_jsonl(changes_path),
+                   for a in setup.qmodel.explain({"params": setup.params}, setup.sample)},
+        "config_changes": records.config_changes(),
     }
-    write_json_atomic(out / "result.json", result)
+
+
+def train(config, workdir, *, data: TextData | None = None, progress: bool = True,
+          allow_changes=()) -> dict:
+    """Run (or resume) one experiment in ``workdir``; returns the result dict.
+
+    ``allow_changes``: config keys (``"train.steps"``) or sections (``"train"``) that may
+    differ from the run already in ``workdir`` when resuming it (see the module docstring)."""
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if config.get("compile_cache"):
+        jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
+    setup = _build(config, data)
+    ckpt = _Checkpoints(workdir)
+    # process 0 writes the run's files; other processes (multi-host) write theirs beside it
+    out = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
+    out.mkdir(parents=True, exist_ok=True)
+    records = RunRecords(out)
+    if jax.process_index() == 0:
+        ckpt.remove_partial()
+    state = _resume(ckpt, records, setup.state, config, allow_changes, workdir)
+    start = int(state.step)
+    t, d = config.train, config.data
+    with (records,
+          tqdm(total=t.steps, initial=start, desc=config.name, unit="step",
+               disable=not progress, dynamic_ncols=True) as bar,
+          _StopOnInterrupt() as stop):
+        log = _StepLog(records, bar, d.batch_size * d.seq_len,
+                       _Interval(start, time.perf_counter()))
+        started = time.perf_counter()
+        loop = _Loop(config, setup, ckpt, records, log, stop, state,
+                     probe_history=records.read("probes"))
+        val_loss = loop.run(start)
+    result = _result(config, setup, records, loop.probe_history, val_loss, started)
+    records.write_result(result)
     return result
 
 

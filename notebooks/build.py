@@ -113,8 +113,9 @@ A small transformer written in plain Flax (no fp4lab), a precision policy applie
 `quantize_model`, `explain` to see which recipe each layer gets, and a few training steps of
 the quantized model against the same model in BF16, on real text (the standard library's
 `json` package, as bytes)."""),
-    ("code", """import json, time
+    ("code", """import json, sys, time
 from pathlib import Path
+sys.path.insert(0, str(Path.cwd().parent))  # experiments/ runs from the checkout
 import jax, jax.numpy as jnp, numpy as np, optax
 import flax.linen as nn
 import matplotlib.pyplot as plt
@@ -208,14 +209,15 @@ SWEEP = [
 Loads a sweep's results (the README's default sweep in `results/sweep` if it has been run with
 `make sweep`, otherwise a tiny two-policy sweep that this notebook runs itself), then shows the
 loss gaps, the layer × GEMM-operand underflow map, and the auto-assignment recommendation."""),
-    ("code", """import json
+    ("code", """import json, sys
 from pathlib import Path
+sys.path.insert(0, str(Path.cwd().parent))  # experiments/ runs from the checkout
 import numpy as np
 import matplotlib.pyplot as plt
 from experiments.configs import load_config
 from experiments.sweep import run_sweep, results_table, layer_order
 from experiments.auto_assign import assign_from_summaries
-from fp4lab.qdot import OPERANDS
+from fp4lab.recipe import OPERANDS
 from fp4lab.policy import explain
 
 root = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()

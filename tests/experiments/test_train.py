@@ -73,16 +73,21 @@ def test_late_precision_switch_runs_the_last_steps_in_bf16(tiny, text, tmp_path)
     tiny.train.ckpt_every = 0
     tiny.probes.every = 0
     tiny.precision.policy = "bf16"
-    bf16 = losses_of = train(tiny, tmp_path / "bf16", data=text, progress=False)
+    bf16 = train(tiny, tmp_path / "bf16", data=text, progress=False)
     tiny.precision.policy = "mxfp4"
+    mxfp4 = train(tiny, tmp_path / "mxfp4", data=text, progress=False)  # no switch
+    assert mxfp4["val_loss"] != bf16["val_loss"]  # so that equal runs below mean something
     tiny.train.bf16_last_fraction = 1.0  # every step in BF16: identical to the bf16 run
     switched = train(tiny, tmp_path / "switched", data=text, progress=False)
     assert losses(tmp_path / "switched") == losses(tmp_path / "bf16")
-    assert switched["val_loss"] == bf16["val_loss"] == losses_of["val_loss"]
-    tiny.train.bf16_last_fraction = 0.5  # first half in MXFP4: the curves part at step 0
+    assert switched["val_loss"] == bf16["val_loss"]
+    tiny.train.bf16_last_fraction = 0.5  # steps 0-2 in MXFP4, steps 3-5 in BF16
     half = train(tiny, tmp_path / "half", data=text, progress=False)
-    assert losses(tmp_path / "half")[0] != losses(tmp_path / "bf16")[0]
-    assert half["status"] == "ok"
+    assert losses(tmp_path / "half")[0] != losses(tmp_path / "bf16")[0]  # parts at step 0
+    assert losses(tmp_path / "half")[:3] == losses(tmp_path / "mxfp4")[:3]
+    assert all(a != b for a, b in zip(losses(tmp_path / "half")[3:],
+                                      losses(tmp_path / "mxfp4")[3:], strict=True))
+    assert half["status"] == "ok" and half["val_loss"] != mxfp4["val_loss"]
 
 
 def test_bad_configs_fail_with_clear_errors(tiny, text, tmp_path):

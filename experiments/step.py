@@ -1,0 +1,124 @@
+"""The pure parts of training: state, optimizer, loss, and the jitted train and eval steps.
+
+* :class:`TrainState`: step, FP32 master weights, optimizer state, the first non-finite step
+  (``bad_step``) and the FP8 delayed-scaling amax history;
+* :func:`make_optimizer`: optax AdamW with a cosine or warmup-stable-decay (WSD) schedule and
+  gradient clipping;
+* :func:`make_loss`: cross-entropy (plus the weighted multi-token-prediction loss) of a
+  quantized model, with its probes and amax history as inputs so that their gradients are
+  the probe metrics and the observed amaxes;
+* :func:`make_step`: one jitted step (state donated), no host sync; a non-finite loss or
+  gradient leaves the state as it was and records the step in ``bad_step``;
+* :func:`make_eval`: the jitted validation loss.
+
+Nothing here touches files, devices or the clock (``experiments.train`` does).
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments.model import ModelConfig
+from fp4lab import delayed
+
+__all__ = ["TrainState", "model_config", "make_optimizer", "make_loss", "make_step",
+           "make_eval"]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+    bad_step: jax.Array  # -1, or the first step whose loss/gradient was not finite
+    # FP8 delayed scaling: the "amax_history" collection (None when no layer uses it)
+    amax_history: dict | None = None
+
+
+def model_config(config) -> ModelConfig:
+    return ModelConfig(**dict(config.model))
+
+
+def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW and its learning-rate schedule from the ``train`` section of a config."""
+    if t.schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup, t.steps,
+                                                   end_value=t.lr * t.min_lr_ratio)
+    elif t.schedule == "wsd":
+        decay = max(1, int(round(t.steps * t.decay_fraction)))
+        stable = max(0, t.steps - t.warmup - decay)
+        sched = optax.join_schedules([
+            optax.linear_schedule(0.0, t.lr, t.warmup), optax.constant_schedule(t.lr),
+            optax.linear_schedule(t.lr, t.lr * t.min_lr_ratio, decay)],
+            [t.warmup, t.warmup + stable])
+    else:
+        raise ValueError(f"train.schedule={t.schedule!r}: use 'cosine' or 'wsd'")
+    tx = optax.chain(optax.clip_by_global_norm(t.clip),
+                     optax.adamw(sched, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
+    return tx, sched
+
+
+def _cross_entropy(logits_BxLxV, targets_BxL, weights_BxL):
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
+    nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll_BxL * weights_BxL) / jnp.maximum(jnp.sum(weights_BxL), 1.0)
+
+
+def make_loss(qmodel, mtp_weight: float):
+    """``loss_fn(params, probes, history, tokens, weights, key) -> (loss, main loss)``."""
+    def loss_fn(params, probes, history, tokens, weights, key):
+        variables = {"params": params}
+        if probes is not None:
+            variables["probes"] = probes
+        if history is not None:
+            variables["amax_history"] = history
+        logits, mtp_logits = qmodel.apply(variables, tokens[:, :-1], rngs={"quant": key})
+        loss = main = _cross_entropy(logits, tokens[:, 1:], weights)
+        if mtp_logits is not None:
+            loss = loss + mtp_weight * _cross_entropy(mtp_logits[:, :-1], tokens[:, 2:],
+                                                      weights[:, 1:])
+        return loss, main
+
+    return loss_fn
+
+
+def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool):
+    """``step(state, tokens, weights, probes) -> (state, metrics, probe gradients)``, jitted
+    with the state donated. The SR key of a step is a function of ``seed`` and the step."""
+    loss_fn = make_loss(qmodel, mtp_weight)
+    base_key = jax.random.key(seed)
+
+    def step(state: TrainState, tokens, weights, probes):
+        key = jax.random.fold_in(base_key, state.step)
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
+        (loss, main), (grads, probe_grads, seen) = grad_fn(
+            state.params, probes if with_probes else None, state.amax_history, tokens,
+            weights, key)
+        gnorm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & (state.bad_step < 0)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+        history = None if state.amax_history is None else keep(
+            delayed.update(state.amax_history, seen), state.amax_history)
+        new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
+                         params=keep(params, state.params),
+                         opt_state=keep(opt_state, state.opt_state),
+                         bad_step=jnp.where(ok | (state.bad_step >= 0), state.bad_step,
+                                            state.step),
+                         amax_history=history)
+        metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
+                   "lr": sched(state.step)}
+        return new, metrics, probe_grads
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval(qmodel, seed: int):
+    """``eval_fn(params, history, tokens, weights) -> main loss``, jitted (delayed scaling:
+    with the history the next step would use; no MTP term, a fixed SR key)."""
+    loss_fn = make_loss(qmodel, 0.0)
+    return jax.jit(lambda p, h, tok, w: loss_fn(p, None, h, tok, w, jax.random.key(seed))[1])
