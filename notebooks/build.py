@@ -24,7 +24,7 @@ format's error and underflow on several distributions."""),
     ("code", """import jax, jax.numpy as jnp, numpy as np
 import matplotlib.pyplot as plt
 import fp4lab
-from fp4lab.formats import FORMATS, E2M1, E4M3, E5M2, E8M0
+from fp4lab.formats import FORMATS, E2M1, E4M3, E5M2
 from fp4lab.cli import DISTRIBUTIONS
 
 print(fp4lab.__version__)"""),
