@@ -16,6 +16,8 @@ Nothing here touches files, devices or the clock (``experiments.train`` does).
 
 from __future__ import annotations
 
+import functools
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -87,11 +89,13 @@ def make_loss(qmodel, mtp_weight: float):
 
 def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool):
     """``step(state, tokens, weights, probes) -> (state, metrics, probe gradients)``, jitted
-    with the state donated. The SR key of a step is a function of ``seed`` and the step."""
+    with the state donated. The SR key of a step is a function of ``seed`` and the step; the
+    seed's key is an argument of the compiled program, not a constant in it, so runs that
+    differ only in their seed compile the same program (the sweep's seeds share one compile
+    through JAX's compilation cache)."""
     loss_fn = make_loss(qmodel, mtp_weight)
-    base_key = jax.random.key(seed)
 
-    def step(state: TrainState, tokens, weights, probes):
+    def step(state: TrainState, tokens, weights, probes, base_key):
         key = jax.random.fold_in(base_key, state.step)
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
         (loss, main), (grads, probe_grads, seen) = grad_fn(
@@ -114,11 +118,12 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
                    "lr": sched(state.step)}
         return new, metrics, probe_grads
 
-    return jax.jit(step, donate_argnums=0)
+    return functools.partial(jax.jit(step, donate_argnums=0), base_key=jax.random.key(seed))
 
 
 def make_eval(qmodel, seed: int):
     """``eval_fn(params, history, tokens, weights) -> main loss``, jitted (delayed scaling:
-    with the history the next step would use; no MTP term, a fixed SR key)."""
+    with the history the next step would use; no MTP term, a fixed SR key, an argument)."""
     loss_fn = make_loss(qmodel, 0.0)
-    return jax.jit(lambda p, h, tok, w: loss_fn(p, None, h, tok, w, jax.random.key(seed))[1])
+    compiled = jax.jit(lambda p, h, tok, w, key: loss_fn(p, None, h, tok, w, key)[1])
+    return functools.partial(compiled, key=jax.random.key(seed))

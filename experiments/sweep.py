@@ -35,39 +35,71 @@ import numpy as np
 from experiments.configs import config_changes, format_changes
 from experiments.probes import KIND_ORDER, layer_order
 from experiments.records import read_jsonl, write_atomic, write_json_atomic
+from experiments.stats import paired_gap
 from experiments.train import train
 
 __all__ = ["run_sweep", "results_table", "write_reports", "main"]
 
 
-def run_name(policy: str) -> str:
+def sweep_seeds(config) -> list[int]:
+    """``sweep.seeds``: a count ``n`` (seeds ``seed, seed + 1, ...``) or a list of seeds."""
+    seeds = config.sweep.get("seeds", 1)
+    if isinstance(seeds, bool) or not isinstance(seeds, (int, tuple, list)):
+        raise ValueError(f"sweep.seeds={seeds!r}: a count or a list of seeds")
+    out = list(range(config.seed, config.seed + seeds)) if isinstance(seeds, int) else \
+        list(seeds)
+    if not out or len(set(out)) != len(out) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in out):
+        raise ValueError(f"sweep.seeds={seeds!r} must give distinct seeds >= 0 (at least one)")
+    return out
+
+
+def planned_runs(config) -> list[tuple[str, int]]:
+    """``(policy, seed)`` of every run, in order: each policy under every seed, or, when
+    ``sweep.seeded_policies`` names some, those under every seed and the rest under the
+    first one only."""
+    seeds, every = sweep_seeds(config), tuple(config.sweep.get("seeded_policies", ()))
+    unknown = set(every) - set(config.sweep.policies)
+    if unknown:
+        raise ValueError(f"sweep.seeded_policies names {sorted(unknown)}, which are not in "
+                         f"sweep.policies")
+    return [(p, s) for s in seeds for p in config.sweep.policies
+            if s == seeds[0] or not every or p in every]
+
+
+def run_name(policy: str, seed: int | None = None) -> str:
     """The run's folder name: the policy name with path characters replaced
-    (``file:results/auto/policy.json`` -> ``file_results_auto_policy.json``)."""
-    return re.sub(r"[^\w.+-]+", "_", policy).strip("_") or "run"
+    (``file:results/auto/policy.json`` -> ``file_results_auto_policy.json``), and
+    ``-seed<s>`` when the sweep has several seeds."""
+    name = re.sub(r"[^\w.+-]+", "_", policy).strip("_") or "run"
+    return name if seed is None else f"{name}-seed{seed}"
 
 
-def _run_one(config, policy: str, runs_dir: Path, retry_failed: bool, progress: bool) -> dict:
-    name = run_name(policy)
+def _run_one(config, policy: str, seed: int | None, runs_dir: Path, retry_failed: bool,
+             progress: bool) -> dict:
+    name = run_name(policy, seed)
     workdir = runs_dir / name
     c = config.copy_and_resolve_references()
     c.name, c.precision.policy = name, policy
+    if seed is not None:
+        c.seed = seed
     _check_same_config(c, workdir)
     done = workdir / "result.json"
     if done.exists():
         result = json.loads(done.read_text())
         if result["status"] == "ok" or not retry_failed:
-            return result
+            return {**result, "seed": c.seed}
     try:
-        return train(c, workdir, progress=progress)
+        return {**train(c, workdir, progress=progress), "seed": c.seed}
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
         workdir.mkdir(parents=True, exist_ok=True)
-        result = {"name": name, "policy": policy, "status": "failed",
+        result = {"name": name, "policy": policy, "seed": c.seed, "status": "failed",
                   "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc(limit=8)}
         write_json_atomic(done, result)
-        print(f"run {policy} FAILED: {result['error']}")
+        print(f"run {name} FAILED: {result['error']}")
         return result
 
 
@@ -90,10 +122,16 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
     if len({run_name(p) for p in policies}) != len(policies):
         raise ValueError(f"sweep.policies has duplicates (after making folder names): "
                          f"{policies}")
+    plan = planned_runs(config)
+    several = len(sweep_seeds(config)) > 1
     out = Path(out)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    results = [_run_one(config, p, runs_dir, retry_failed, progress) for p in policies]
+    if not config.get("compile_cache"):  # the seeds of a policy compile one program
+        config = config.copy_and_resolve_references()
+        config.compile_cache = str(out / "compile_cache")
+    results = [_run_one(config, p, s if several else None, runs_dir, retry_failed, progress)
+               for p, s in plan]
     write_reports(results, out)
     return results
 
@@ -101,26 +139,61 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
 # ----------------------------------------------------------------------------- reports
 
 
-def results_table(results: list[dict], baseline: str = "bf16") -> tuple[list[str], list[list]]:
-    """Header and rows of the results table (values rounded for reading)."""
-    base = next((r for r in results if r["policy"] == baseline and r["status"] == "ok"), None)
-    kinds = [k for k in KIND_ORDER if any(k in r.get("underflow_by_kind", {}) for r in results)]
-    kinds += sorted({k for r in results for k in r.get("underflow_by_kind", {})} - set(kinds))
-    header = (["policy", "status", "train loss", "val loss", f"val gap vs {baseline} %",
-               "tokens/s", f"speed vs {baseline}"] + [f"underflow % {k}" for k in kinds])
-    rows = []
+def _by_policy(results: list[dict]) -> dict[str, list[dict]]:
+    """The results grouped by policy, in sweep order (the seeds of a policy together)."""
+    out: dict[str, list[dict]] = {}
     for r in results:
-        if r["status"] != "ok":
-            rows.append([r["policy"], f"failed: {r.get('error', '')[:60]}"] +
-                        [""] * (len(header) - 2))
-            continue
-        gap = (100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"]) if base else math.nan
-        speed = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
-        under = [100 * r.get("underflow_by_kind", {}).get(k, math.nan) for k in kinds]
-        fmt = lambda v, n: (round(v, n) if n else round(v)) if math.isfinite(v) else ""  # noqa
-        rows.append([r["policy"], "ok", fmt(r["final_train_loss"], 4), fmt(r["val_loss"], 4),
-                     fmt(gap, 2), fmt(r["tokens_per_s"], 0), fmt(speed, 2)] +
-                    [fmt(u, 2) for u in under])
+        out.setdefault(r["policy"], []).append(r)
+    return out
+
+
+def _kinds(results: list[dict]) -> list[str]:
+    found = {k for r in results for k in r.get("underflow_by_kind", {})}
+    return [k for k in KIND_ORDER if k in found] + sorted(found - set(KIND_ORDER))
+
+
+def _fmt(v, n):
+    return (round(v, n) if n else round(v)) if math.isfinite(v) else ""
+
+
+def _policy_row(runs: list[dict], base: list[dict], kinds: list[str]) -> list:
+    """One policy's row: means over its seeds, the spread, and the gap to the baseline
+    paired by seed with its 95 % interval (experiments.stats)."""
+    by_seed = {r.get("seed", 0): r["val_loss"] for r in runs}
+    gap = paired_gap(by_seed, {r.get("seed", 0): r["val_loss"] for r in base})
+    speed = (np.mean([r["tokens_per_s"] for r in runs]) /
+             np.mean([r["tokens_per_s"] for r in base])) if base else math.nan
+    val = np.array(list(by_seed.values()))
+    sd = float(val.std(ddof=1)) if val.size > 1 else math.nan
+    under = [100 * np.mean([r.get("underflow_by_kind", {}).get(k, math.nan) for r in runs])
+             for k in kinds]
+    ci = f"[{gap.low:.2f}, {gap.high:.2f}]" if math.isfinite(gap.low) else ""
+    differs = {True: "yes", False: "no", None: ""}[gap.distinguishable]
+    return ([runs[0]["policy"], "ok", _fmt(np.mean([r["final_train_loss"] for r in runs]), 4),
+             _fmt(float(val.mean()), 4), _fmt(gap.mean, 2),
+             _fmt(np.mean([r["tokens_per_s"] for r in runs]), 0), _fmt(speed, 2),
+             len(runs), _fmt(sd, 4), ci, differs] + [_fmt(u, 2) for u in under])
+
+
+def results_table(results: list[dict], baseline: str = "bf16") -> tuple[list[str], list[list]]:
+    """Header and rows of the results table, one row per policy (means over its seeds; a
+    failed run gets its own row), values rounded for reading."""
+    groups = _by_policy(results)
+    base = [r for r in groups.get(baseline, []) if r["status"] == "ok"]
+    kinds = _kinds(results)
+    header = (["policy", "status", "train loss", "val loss", f"val gap vs {baseline} %",
+               "tokens/s", f"speed vs {baseline}", "seeds", "val loss sd",
+               "gap 95% CI", "gap != 0"] + [f"underflow % {k}" for k in kinds])
+    rows = []
+    for policy, runs in groups.items():
+        for r in runs:
+            if r["status"] != "ok":
+                rows.append([r["policy"] if "seed" not in r or len(runs) == 1 else
+                             f"{r['policy']} (seed {r['seed']})",
+                             f"failed: {r.get('error', '')[:60]}"] + [""] * (len(header) - 2))
+        ok = [r for r in runs if r["status"] == "ok"]
+        if ok:
+            rows.append(_policy_row(ok, base, kinds))
     return header, rows
 
 
@@ -142,6 +215,8 @@ def write_reports(results: list[dict], out: Path) -> str:
     ok = [r for r in results if r["status"] == "ok"]
     if ok:
         plot_losses(ok, out / "runs", out / "loss_curves.png")
+        plot_loss_gaps(ok, out / "runs", out / "loss_gap_curves.png")
+        plot_gap_intervals(results, out / "gap_intervals.png")
         for metric, fname in (("underflow", "underflow_heatmap.png"),
                               ("sqnr_db", "sqnr_heatmap.png")):
             plot_heatmaps(ok, metric, out / fname)
@@ -161,28 +236,127 @@ def _smooth(y, n):
     return np.convolve(y, k, mode="valid")
 
 
+def _losses(runs_dir: Path, r: dict) -> tuple[np.ndarray, np.ndarray]:
+    recs = [x for x in read_jsonl(runs_dir / r["name"] / "metrics.jsonl") if "loss" in x]
+    return np.array([x["step"] for x in recs]), np.array([x["loss"] for x in recs], float)
+
+
 def plot_losses(results, runs_dir: Path, path: Path):
+    """Training loss (smoothed; the mean over a policy's seeds) of every policy."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
-    for r in results:
-        recs = [x for x in read_jsonl(runs_dir / r["name"] / "metrics.jsonl") if "loss" in x]
-        if not recs:
+    for policy, runs in _by_policy(results).items():
+        curves = [_losses(runs_dir, r) for r in runs]
+        n_steps = min(len(c[1]) for c in curves)
+        if not n_steps:
             continue
-        n = max(1, len(recs) // 15)
-        steps = np.array([x["step"] for x in recs])
-        ax.plot(steps[n - 1:], _smooth([x["loss"] for x in recs], n),
-                label=f"{r['policy']} (val {r['val_loss']:.3f})",
-                lw=2.2 if r["policy"] == "bf16" else 1.2,
-                color="black" if r["policy"] == "bf16" else None)
+        n = max(1, n_steps // 15)
+        mean = np.mean([c[1][:n_steps] for c in curves], axis=0)
+        val = np.mean([r["val_loss"] for r in runs])
+        ax.plot(curves[0][0][:n_steps][n - 1:], _smooth(mean, n),
+                label=f"{policy} (val {val:.3f})", lw=2.2 if policy == "bf16" else 1.2,
+                color="black" if policy == "bf16" else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte, smoothed)")
-    ax.set_title("loss curves per precision policy")
+    ax.set_title("loss curves per precision policy (mean over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     _save_png(fig, path)
+
+
+def _relative_gaps(runs, base, runs_dir: Path):
+    """Per seed both ran: the smoothed relative training-loss difference to the baseline in %
+    over the steps; the steps."""
+    base = {r.get("seed", 0): _losses(runs_dir, r) for r in base}
+    gaps, steps = [], None
+    for r in runs:
+        if r.get("seed", 0) not in base:
+            continue
+        (st, y), (_, yb) = _losses(runs_dir, r), base[r.get("seed", 0)]
+        m = min(len(y), len(yb))
+        n = max(1, m // 15)
+        gaps.append(100 * (_smooth(y[:m], n) - _smooth(yb[:m], n)) / _smooth(yb[:m], n))
+        steps = st[:m][n - 1:]
+    m = min((len(g) for g in gaps), default=0)
+    return np.array([g[:m] for g in gaps]), (steps[:m] if steps is not None else None)
+
+
+def plot_loss_gaps(results, runs_dir: Path, path: Path, baseline: str = "bf16"):
+    """The relative training-loss difference to the baseline over the steps (as the NVFP4
+    paper plots it): the mean over seeds, and the seeds' range as a band."""
+    from matplotlib.figure import Figure
+
+    groups = _by_policy(results)
+    base = groups.get(baseline, [])
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    for policy, runs in groups.items():
+        gaps, steps = _relative_gaps(runs, base, runs_dir) if policy != baseline else ([], None)
+        if steps is None or not len(gaps) or not gaps.shape[1]:
+            continue
+        line, = ax.plot(steps, gaps.mean(0), lw=1.2, label=f"{policy} ({len(gaps)} seeds)")
+        if len(gaps) > 1:
+            ax.fill_between(steps, gaps.min(0), gaps.max(0), color=line.get_color(), alpha=0.15)
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss vs {baseline} (%, smoothed)")
+    ax.set_title(f"relative loss difference to {baseline} (band: range over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _save_png(fig, path)
+
+
+def plot_gap_intervals(results, path: Path, baseline: str = "bf16"):
+    """The final validation gap to the baseline per policy, paired by seed, with its 95 %
+    interval (a dot alone: one seed)."""
+    from matplotlib.figure import Figure
+
+    groups = _by_policy(results)
+    base = {r.get("seed", 0): r["val_loss"] for r in groups.get(baseline, [])
+            if r["status"] == "ok"}
+    rows = []
+    for policy, runs in groups.items():
+        ok = {r.get("seed", 0): r["val_loss"] for r in runs if r["status"] == "ok"}
+        if policy != baseline and ok and base:
+            rows.append((policy, paired_gap(ok, base)))
+    if not rows:
+        return
+    fig = Figure(figsize=(7, 0.35 * len(rows) + 1.5))
+    ax = fig.subplots()
+    for i, (policy, g) in enumerate(rows):
+        if math.isfinite(g.low):
+            ax.errorbar(g.mean, i, xerr=[[g.mean - g.low], [g.high - g.mean]], fmt="o",
+                        capsize=3, color="C0" if g.distinguishable else "C7")
+        else:
+            ax.plot(g.mean, i, "o", color="C7")
+    ax.set_yticks(range(len(rows)), [f"{p} (n={g.n})" for p, g in rows], fontsize=7)
+    ax.axvline(0, color="black", lw=1)
+    ax.set_xlabel(f"validation loss gap vs {baseline} (%), 95 % interval paired by seed")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    _save_png(fig, path)
+
+
+def _quantized_operands(result: dict):
+    """``(layer, operand) -> bool``: whether the run's recipe for that layer quantizes the
+    operand (a pass-through BF16 cast is not quantization: its cell is grey)."""
+    from fp4lab.recipe import get_recipe
+
+    recipes = result.get("layers", {})
+
+    def quantized(layer: str, op: str) -> bool:
+        try:
+            recipe = get_recipe(recipes.get(layer))
+        except (TypeError, ValueError):  # no layer record, or an unregistered recipe
+            return True  # draw what was measured
+        return op in recipe.quantized_operands and \
+            not recipe.operands[op].format.is_passthrough
+
+    return quantized
 
 
 def plot_heatmaps(results, metric: str, path: Path):
@@ -206,8 +380,9 @@ def plot_heatmaps(results, metric: str, path: Path):
     vmin, vmax = (0.0, 100.0) if is_under else (0.0, 40.0)
     im = None
     for ax, r in zip(axes.flat, panels):
-        s = r["probe_summary"]
-        grid = np.array([[s.get(layer, {}).get(op, {}).get(metric, math.nan) for op in OPERANDS]
+        s, quantized = r["probe_summary"], _quantized_operands(r)
+        grid = np.array([[s.get(layer, {}).get(op, {}).get(metric, math.nan)
+                          if quantized(layer, op) else math.nan for op in OPERANDS]
                          for layer in layers], float)
         if is_under:
             grid = 100 * grid

@@ -10,5 +10,8 @@ def get_config():
     c = _default()
     c.sweep = ml_collections.ConfigDict(dict(policies=(
         "bf16", "nvfp4", "nemotron3", "nemotron3_no_mxfp8", "nemotron3_no_tail",
-        "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp8", "mxfp4", "fp8_hybrid")))
+        "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp8", "mxfp4", "fp8_hybrid"),
+        # a count (seed, seed + 1, ...) or a list of seeds; seeded_policies: the policies that
+        # run under every seed (() = all; the others run the first seed only)
+        seeds=1, seeded_policies=()), type_safe=False)  # seeds: an int or a tuple
     return c

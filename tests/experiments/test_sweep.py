@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 import experiments.sweep as sweep
@@ -10,6 +11,7 @@ from experiments.auto_assign import assign_from_summaries, layer_passes
 from experiments.configs import apply_overrides, load_config
 from experiments.train import train as real_train
 from fp4lab.policy import explain, policy_from_dict, policy_to_dict
+from fp4lab.recipe import OPERANDS
 
 
 @pytest.mark.slow
@@ -59,6 +61,100 @@ def test_results_table_gaps_and_speed_are_relative_to_bf16():
     assert row["val gap vs bf16 %"] == 10.0 and row["speed vs bf16"] == 0.5
     assert row["underflow % mlp/up"] == 6.8
     assert rows[2][1].startswith("failed: ValueError: boom")
+
+
+def test_seeds_pair_the_gaps_and_give_t_intervals():
+    def run(policy, seed, val):
+        return {"policy": policy, "seed": seed, "status": "ok", "final_train_loss": val,
+                "val_loss": val, "tokens_per_s": 100.0}
+
+    base = [2.0, 2.1, 1.9]  # the seeds differ more than the policies: pairing removes that
+    near = [2.002, 2.1021, 1.9019]  # +0.1 %, +0.1 %, +0.1 %
+    noisy = [2.04, 2.08, 1.92]  # +2 %, -0.95 %, +1.05 %
+    results = [run("bf16", s, v) for s, v in enumerate(base)] + \
+        [run("near", s, v) for s, v in enumerate(near)] + \
+        [run("noisy", s, v) for s, v in enumerate(noisy)]
+    header, rows = sweep.results_table(results)
+    t = {r[0]: dict(zip(header, r)) for r in rows}
+    # independent formula: t(0.975, df=2) = 4.302652729911275
+    for name, vals in (("near", near), ("noisy", noisy)):
+        gaps = [100 * (v - b) / b for v, b in zip(vals, base)]
+        half = 4.302652729911275 * float(np.std(gaps, ddof=1)) / np.sqrt(3)
+        assert t[name]["val gap vs bf16 %"] == round(float(np.mean(gaps)), 2)
+        assert t[name]["gap 95% CI"] == f"[{np.mean(gaps) - half:.2f}, {np.mean(gaps) + half:.2f}]"
+        assert t[name]["seeds"] == 3
+    assert t["near"]["gap != 0"] == "yes" and t["noisy"]["gap != 0"] == "no"
+    assert t["bf16"]["val loss sd"] == round(float(np.std(base, ddof=1)), 4)
+    one = sweep.results_table([run("bf16", 0, 2.0), run("near", 0, 2.1)])[1][1]
+    assert one[header.index("gap 95% CI")] == "" and one[header.index("gap != 0")] == ""
+
+
+def test_planned_runs_follow_sweep_seeds(tiny):
+    c = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')", "sweep.seeds=3",
+                                   "sweep.seeded_policies=('bf16','nvfp4')"])
+    assert sweep.planned_runs(c) == [("bf16", 0), ("nvfp4", 0), ("mxfp8", 0), ("bf16", 1),
+                                     ("nvfp4", 1), ("bf16", 2), ("nvfp4", 2)]
+    c.sweep.seeds = (7, 3)
+    assert sweep.sweep_seeds(c) == [7, 3]
+    for bad in (0, (1, 1), (-1,), True):
+        c.sweep.seeds = bad
+        with pytest.raises(ValueError, match="sweep.seeds"):
+            sweep.sweep_seeds(c)
+    c.sweep.seeds, c.sweep.seeded_policies = 2, ("nvfp5",)
+    with pytest.raises(ValueError, match=r"seeded_policies names \['nvfp5'\]"):
+        sweep.planned_runs(c)
+    assert sweep.run_name("file:a/b.json", 2) == "file_a_b.json-seed2"
+
+
+def test_heatmaps_grey_out_operands_a_recipe_does_not_quantize():
+    quantized = sweep._quantized_operands({"layers": {"head": "bf16", "mlp": "nvfp4",
+                                                      "qat": "mxfp4_w_mxfp8_a_qat", "odd": "-"}})
+    assert not any(quantized("head", op) for op in OPERANDS)  # BF16 casts: grey
+    assert all(quantized("mlp", op) for op in OPERANDS)
+    assert [quantized("qat", op) for op in OPERANDS] == [True, True] + [False] * 4
+    assert quantized("odd", "fprop_x") and quantized("missing", "wgrad_dy")  # measured: drawn
+
+
+def test_runs_that_differ_only_in_the_seed_compile_one_program(tiny, text):
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.model import HybridLM
+    from experiments.step import TrainState, make_optimizer, make_step, model_config
+    from fp4lab.flax import quantize_model
+
+    model = HybridLM(model_config(tiny))
+    b = text.batch(0, 0, 2, tiny.data.seq_len)
+    params = model.init(jax.random.key(0), jnp.asarray(b.tokens[:, :-1]))["params"]
+    tx, sched = make_optimizer(tiny.train)
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                       bad_step=jnp.int32(-1))
+    qm = quantize_model(model, "all:nvfp4")
+    steps = [make_step(qm, tx, sched, seed, 0.0, False) for seed in (0, 1)]
+    args = (state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+    texts = [s.func.lower(*args, **s.keywords).as_text() for s in steps]
+    assert texts[0] == texts[1]  # the seed is data, not a constant: one compiled program
+    keys = [jax.random.key_data(s.keywords["base_key"]) for s in steps]
+    assert not np.array_equal(np.asarray(keys[0]), np.asarray(keys[1]))  # the seeds' own keys
+
+
+@pytest.mark.slow
+def test_a_sweep_over_seeds_reports_intervals(tmp_path, text, tiny, monkeypatch):
+    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=2",
+                                        "train.steps=6", "probes.every=3"])
+    config.compile_cache = tiny.compile_cache
+    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: real_train(c, w, data=text, **kw))
+    results = sweep.run_sweep(config, tmp_path, progress=False)
+    assert [(r["policy"], r["seed"]) for r in results] == [
+        ("bf16", 0), ("nvfp4", 0), ("bf16", 1), ("nvfp4", 1)]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "bf16-seed0", "bf16-seed1", "nvfp4-seed0", "nvfp4-seed1"]
+    assert results[0]["val_loss"] != results[2]["val_loss"]  # the seed changes the run
+    header, rows = sweep.results_table(results)
+    row = dict(zip(header, rows[1]))
+    assert row["seeds"] == 2 and row["gap 95% CI"].startswith("[")
+    for f in ("loss_gap_curves.png", "gap_intervals.png", "results.md"):
+        assert (tmp_path / f).stat().st_size > 0, f
 
 
 def _ops(underflow, mse):
