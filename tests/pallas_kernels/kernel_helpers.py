@@ -1,6 +1,7 @@
 """Helpers shared by the kernel tests: bitwise comparison, every kernel entry point, and
 lowering for an abstract GPU (no GPU needed)."""
 
+import dataclasses
 import re
 
 import jax
@@ -12,6 +13,11 @@ from pallas_kernels.quantize import dequantize, quantize, quantize_weight_nvfp4
 from pallas_kernels.rht import rht_quantize_nvfp4
 
 FORMATS = ["nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp8_floor", "mxfp4", "mxfp4_floor"]
+# formats the kernels serve as data, not as names: other block sizes of the same schemes
+VARIANTS = {"nvfp4_b32": dataclasses.replace(fp4lab.FORMATS["nvfp4"], name="nvfp4_b32",
+                                             block=32),
+            "mxfp8_b16": dataclasses.replace(fp4lab.FORMATS["mxfp8"], name="mxfp8_b16",
+                                             block=16)}
 
 
 def same_bits(a, b):
@@ -46,8 +52,13 @@ def kernel_cases(shape=(256, 512), dtype=jnp.bfloat16):
         cases[f"quantize {fmt} SR"] = (
             lambda x, k, f=fmt: quantize(x, f, rounding="stochastic", key=k, interpret=False),
             (x, key), True)
+    for name, fmt in VARIANTS.items():
+        cases[f"quantize {name}"] = (lambda x, f=fmt: quantize(x, f, interpret=False), (x,),
+                                     False)
     cases["quantize nvfp4 16x16 (+transposed)"] = (
         lambda w: quantize_weight_nvfp4(w, interpret=False), (x,), False)
+    cases["quantize nvfp4 32x32 (+transposed)"] = (
+        lambda w: quantize_weight_nvfp4(w, tile=(32, 32), interpret=False), (x,), False)
     cases["rht + nvfp4"] = (
         lambda x: rht_quantize_nvfp4(x, rounding="nearest", interpret=False), (x,), False)
     cases["rht + nvfp4 SR"] = (lambda x, k: rht_quantize_nvfp4(x, k, interpret=False),
