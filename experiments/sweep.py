@@ -161,6 +161,8 @@ def _policy_row(runs: list[dict], base: list[dict], kinds: list[str]) -> list:
     paired by seed with its 95 % interval (experiments.stats)."""
     by_seed = {r.get("seed", 0): r["val_loss"] for r in runs}
     gap = paired_gap(by_seed, {r.get("seed", 0): r["val_loss"] for r in base})
+    if runs[0]["policy"] == (base[0]["policy"] if base else None):
+        gap = gap._replace(low=math.nan, high=math.nan)  # the baseline itself: no interval
     speed = (np.mean([r["tokens_per_s"] for r in runs]) /
              np.mean([r["tokens_per_s"] for r in base])) if base else math.nan
     val = np.array(list(by_seed.values()))
@@ -359,18 +361,38 @@ def _quantized_operands(result: dict):
     return quantized
 
 
+def _heat_grid(runs: list[dict], layers, metric: str) -> np.ndarray:
+    """layer x operand values of ``metric``, the mean over a policy's seeds; NaN (grey) where
+    the recipe does not quantize the operand."""
+    from fp4lab.recipe import OPERANDS
+
+    grids = []
+    for r in runs:
+        s, quantized = r["probe_summary"], _quantized_operands(r)
+        grids.append([[s.get(layer, {}).get(op, {}).get(metric, math.nan)
+                       if quantized(layer, op) else math.nan for op in OPERANDS]
+                      for layer in layers])
+    grids = np.array(grids, float)
+    counts = np.isfinite(grids).sum(0)
+    total = np.where(np.isfinite(grids), grids, 0.0).sum(0)
+    return np.where(counts > 0, total / np.maximum(counts, 1), np.nan)
+
+
 def plot_heatmaps(results, metric: str, path: Path):
+    """One panel per policy (the mean over its seeds) of the layer x GEMM-operand map."""
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     from fp4lab.recipe import OPERANDS
 
-    panels = [r for r in results if r.get("probe_summary")]
+    panels = [(p, [r for r in runs if r.get("probe_summary")])
+              for p, runs in _by_policy(results).items()]
+    panels = [(p, runs) for p, runs in panels if runs]
     if not panels:
         return
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
-    layers = sorted(panels[0]["probe_summary"], key=layer_order)
+    layers = sorted(panels[0][1][0]["probe_summary"], key=layer_order)
     fig = Figure(figsize=(2.4 * cols + 2.2, 0.2 * len(layers) * rows + 1.8),
                  layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
@@ -379,17 +401,12 @@ def plot_heatmaps(results, metric: str, path: Path):
         bad="#dddddd")
     vmin, vmax = (0.0, 100.0) if is_under else (0.0, 40.0)
     im = None
-    for ax, r in zip(axes.flat, panels):
-        s, quantized = r["probe_summary"], _quantized_operands(r)
-        grid = np.array([[s.get(layer, {}).get(op, {}).get(metric, math.nan)
-                          if quantized(layer, op) else math.nan for op in OPERANDS]
-                         for layer in layers], float)
-        if is_under:
-            grid = 100 * grid
+    for ax, (policy, runs) in zip(axes.flat, panels):
+        grid = _heat_grid(runs, layers, metric) * (100 if is_under else 1)
         grid = np.where(np.isfinite(grid), np.clip(grid, vmin, vmax), np.nan)
         im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, vmin=vmin,
                        vmax=vmax)
-        ax.set_title(r["policy"], fontsize=9)
+        ax.set_title(policy + (f" ({len(runs)} seeds)" if len(runs) > 1 else ""), fontsize=9)
         ax.set_xticks(range(len(OPERANDS)), [o.replace("_", "\n") for o in OPERANDS],
                       fontsize=6)
         ax.set_yticks(range(len(layers)), layers, fontsize=6)
@@ -399,7 +416,7 @@ def plot_heatmaps(results, metric: str, path: Path):
     fig.colorbar(im, ax=axes, shrink=0.6,
                  label="underflow %" if is_under else "SQNR dB (clipped at 40)")
     fig.suptitle(f"{'underflow' if is_under else 'SQNR'} per layer and GEMM operand "
-                 "(mean over probe steps; grey: not quantized)", fontsize=10)
+                 "(mean over probe steps and seeds; grey: not quantized)", fontsize=10)
     _save_png(fig, path)
 
 
@@ -426,8 +443,8 @@ def main(argv=None):
               "again to continue the sweep.", file=sys.stderr)
         return 130
     print(write_reports(results, Path(args.out)))
-    print(f"wrote {args.out}/results.csv, results.md, loss_curves.png, underflow_heatmap.png, "
-          "sqnr_heatmap.png")
+    print(f"wrote {args.out}/results.csv, results.md, loss_curves.png, loss_gap_curves.png, "
+          "gap_intervals.png, underflow_heatmap.png, sqnr_heatmap.png")
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 

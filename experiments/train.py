@@ -12,8 +12,11 @@ records and summaries in ``experiments.probes``. What a run does:
   log step, when they are fetched together;
 * data-parallel over all devices (the batch is sharded on a ``data`` mesh axis, the state
   replicated; XLA inserts the gradient all-reduce); on several hosts run one process per host
-  with ``--distributed`` (``jax.distributed.initialize()``): every process computes the same
-  global batch and supplies its own devices' rows;
+  with ``--distributed`` (``jax.distributed.initialize()``, the cluster auto-detected or
+  given by ``--coordinator HOST:PORT --num-processes N --process-id I``; on CPU the
+  collectives go through gloo): every process computes the same global batch and supplies
+  its own devices' rows. Process 0 writes the run's files, the workdir must be shared (orbax
+  checkpoints need it anyway), every process saves and restores the checkpoints;
 * orbax checkpoints every ``train.ckpt_every`` steps and at the end; a rerun in the same
   workdir resumes from the latest one bit-exactly (batches and SR keys are functions of the
   step, metrics written after the checkpoint are dropped and recomputed), but only with the
@@ -21,7 +24,11 @@ records and summaries in ``experiments.probes``. What a run does:
   differ) unless ``allow_changes`` (``--allow-changes train.steps``) names them, and then
   ``config_changes.jsonl`` and ``result.json`` record what changed at which step;
 * Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
-  (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once);
+  (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once); the processes of a
+  multi-process run agree on it at the next log step and all stop there;
+* ``run_info.json`` (written when the run starts, and in ``result.json`` under
+  ``run_info``): package versions, git commit, devices, processes, host, start time
+  (``experiments.runinfo``);
 * ``metrics.jsonl`` (one line per step, plus ``val`` and ``probe`` lines) and TensorBoard
   event files under ``tb/``; a tqdm progress bar with loss and tokens/s;
 * a non-finite loss or gradient: the step is rejected on the device, the last good state is
@@ -56,8 +63,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from experiments import policies
-from experiments.data import Batch, TextData, load_text
+from experiments import policies, runinfo
+from experiments.data import Batch, TextData, load_data
 from experiments.model import HybridLM
 from experiments.probes import (layer_kind, layer_order, probe_records, summarize_probes,
                                 underflow_by_kind)
@@ -112,7 +119,7 @@ def _check(config, data: TextData, n_devices: int):
     d, t = config.data, config.train
     if d.batch_size % n_devices:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by the "
-                         f"{n_devices} local devices (data parallelism splits the batch)")
+                         f"{n_devices} devices (data parallelism splits the batch)")
     need = d.seq_len + 2
     if min(data.train.size, data.val.size) <= need:
         raise ValueError(f"data.seq_len={d.seq_len} does not fit the corpus ({data.train.size} "
@@ -190,10 +197,11 @@ class _Setup:
 def _build(config, data: TextData | None) -> _Setup:
     t, d = config.train, config.data
     policy = policies.get(config.precision.policy)
-    model = HybridLM(model_config(config))
     if data is None:
-        data = load_text(list(d.paths) or None, val_fraction=d.val_fraction,
-                         suffixes=tuple(d.get("suffixes", ())))
+        data = load_data(d)
+    # the vocabulary covers the data's (a token file's ids; bytes: 256)
+    model = HybridLM(dataclasses.replace(model_config(config),
+                                         vocab=max(config.model.vocab, data.vocab_size)))
     devices = jax.devices()
     _check(config, data, len(devices))
     place = _Placement.over(devices)
@@ -261,6 +269,27 @@ def _resume(ckpt: _Checkpoints, records: RunRecords, state: TrainState, config,
         records.start_fresh()
     records.write_config(config.to_dict(), start, changes)
     return state
+
+
+def _sync(name: str):
+    """The processes of a multi-process run wait here for each other (one: no-op)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"experiments.train:{name}")
+
+
+def _start_run_info(records: RunRecords, config, start: int) -> dict:
+    """``run_info.json`` of this start of the run (a resumed run keeps the earlier starts'
+    under ``earlier``, without their config); returns it."""
+    earlier = []
+    path = records.out / "run_info.json"
+    if start and records.write and path.exists():
+        old = json.loads(path.read_text())
+        earlier = old.pop("earlier", []) + [{k: v for k, v in old.items() if k != "config"}]
+    info = runinfo.collect(config.to_dict(), start_step=start, earlier=earlier)
+    records.write_run_info(info)
+    return info
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -401,7 +430,7 @@ class _Loop:
             self._flush(done)
             self.ckpt.save(done, self.state)
             self.log.mark(done)
-        if self.stop.requested and done < t.steps:
+        if done < t.steps and self._stop_requested(done):
             self._flush(done)
             if self.ckpt.latest() != done:
                 self.ckpt.save(done, self.state, force=True)
@@ -410,6 +439,18 @@ class _Loop:
                 f"{self.config.name}: interrupted after step {done} of {t.steps}; its "
                 f"checkpoint is in {self.ckpt.dir}. Run the same command again to "
                 "resume (bit-exactly).")
+
+    def _stop_requested(self, done: int) -> bool:
+        """Ctrl-C. The processes of a multi-process run must stop after the same step (each
+        saves the checkpoint with the others): they agree at log steps, where the loop waits
+        for the device anyway; a Ctrl-C that reached any of them stops them all."""
+        if jax.process_count() == 1:
+            return self.stop.requested
+        if done % self.config.train.log_every:
+            return False
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.stop.requested))))
 
     def _flush(self, step_now: int):
         """Write the pending metrics, then stop if a step was rejected as non-finite."""
@@ -472,18 +513,19 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
     setup = _build(config, data)
     ckpt = _Checkpoints(workdir)
-    # process 0 writes the run's files; other processes (multi-host) write theirs beside it
-    out = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
-    out.mkdir(parents=True, exist_ok=True)
-    records = RunRecords(out)
-    if jax.process_index() == 0:
+    # process 0 writes the run's files; the others write none and read process 0's
+    writer = jax.process_index() == 0
+    records = RunRecords(workdir, write=writer)
+    if writer:
         ckpt.remove_partial()
     state = _resume(ckpt, records, setup.state, config, allow_changes, workdir)
     start = int(state.step)
+    info = _start_run_info(records, config, start)
+    _sync("resumed")  # process 0 has rewritten metrics.jsonl for the others to read
     t, d = config.train, config.data
     with (records,
           tqdm(total=t.steps, initial=start, desc=config.name, unit="step",
-               disable=not progress, dynamic_ncols=True) as bar,
+               disable=not (progress and writer), dynamic_ncols=True) as bar,
           _StopOnInterrupt() as stop):
         log = _StepLog(records, bar, d.batch_size * d.seq_len,
                        _Interval(start, time.perf_counter()))
@@ -491,17 +533,18 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
         loop = _Loop(config, setup, ckpt, records, log, stop, state,
                      probe_history=records.read("probes"))
         val_loss = loop.run(start)
+    _sync("finished")  # process 0 has written every metric for the others to read
     result = _result(config, setup, records, loop.probe_history, val_loss, started)
+    result["run_info"] = info
     records.write_result(result)
     return result
 
 
-def main(argv=None) -> int:
+def _parser(default: str):
     import argparse
 
     from experiments.configs import describe_keys, load_config
 
-    default = str(Path(__file__).parent / "configs" / "default.py")
     ap = argparse.ArgumentParser(
         description="Train the hybrid LM under a precision policy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -510,15 +553,42 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=default)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--distributed", action="store_true", help="call "
-                    "jax.distributed.initialize() first (one process per host)")
+                    "jax.distributed.initialize() first (one process per host, or several "
+                    "on one machine); without the next three options JAX detects the cluster "
+                    "(SLURM, Open MPI, TPU, JAX_COORDINATOR_ADDRESS, ...)")
+    ap.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="with --distributed: process 0's address, e.g. 127.0.0.1:12345")
+    ap.add_argument("--num-processes", type=int, metavar="N",
+                    help="with --distributed: the number of processes")
+    ap.add_argument("--process-id", type=int, metavar="I",
+                    help="with --distributed: this process's index, 0 to N-1")
     ap.add_argument("--allow-changes", default="", metavar="KEYS",
                     help="comma-separated config keys or sections (train.steps, train) that "
                          "may differ from the run in --workdir: continue it with the new "
                          "values (recorded in config_changes.jsonl)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=300")
+    return ap
+
+
+def _initialize_distributed(args, ap):
+    """``--distributed``: join the processes of the run before JAX touches a device (the
+    options not given are auto-detected by JAX; on CPU its collectives use gloo)."""
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if not args.distributed:
+        if any(v is not None for v in given):
+            ap.error("--coordinator, --num-processes and --process-id need --distributed")
+        return
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
+def main(argv=None) -> int:
+    from experiments.configs import load_config
+
+    default = str(Path(__file__).parent / "configs" / "default.py")
+    ap = _parser(default)
     args = ap.parse_args(argv)
-    if args.distributed:
-        jax.distributed.initialize()
+    _initialize_distributed(args, ap)
     config = load_config(args.config, args.overrides)
     allow = tuple(k for k in args.allow_changes.split(",") if k)
     try:
@@ -526,8 +596,10 @@ def main(argv=None) -> int:
     except TrainingInterrupted as e:
         print(f"\n{e}", file=sys.stderr)
         return 130
-    print(json.dumps({k: v for k, v in r.items() if k not in ("probe_summary", "layers")},
-                     indent=1, default=float))
+    if jax.process_index() == 0:
+        print(json.dumps({k: v for k, v in r.items()
+                          if k not in ("probe_summary", "layers", "run_info")},
+                         indent=1, default=float))
     return 0
 
 

@@ -62,8 +62,10 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
     return apply_overrides(_load_module(path).get_config(), overrides)
 
 
-# keys that do not change what a run computes (a run may resume with other values)
-NOT_PART_OF_THE_RUN = ("compile_cache",)
+# keys (or sections) that do not change what a run computes (a run may resume with other
+# values): the compile cache, and the sweep a run belongs to (a sweep sets each run's policy
+# and seed in precision.policy and seed, which are part of it)
+NOT_PART_OF_THE_RUN = ("compile_cache", "sweep")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -85,7 +87,11 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     norm = lambda d: _flat(json.loads(json.dumps(d, sort_keys=True, default=float)))  # noqa
     a, b = norm(old), norm(new)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k not in NOT_PART_OF_THE_RUN}
+            if a.get(k) != b.get(k) and not _outside_the_run(k)}
+
+
+def _outside_the_run(key: str) -> bool:
+    return any(key == k or key.startswith(f"{k}.") for k in NOT_PART_OF_THE_RUN)
 
 
 def format_changes(changes: dict[str, tuple]) -> str:

@@ -17,7 +17,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources
         suffixes=(),  # in folders: () = every text file, or e.g. ('.txt', '.md') only
-        seq_len=128, batch_size=8, val_fraction=0.1, val_batches=4))
+        seq_len=128, batch_size=8, val_fraction=0.1, val_batches=4,
+        # token files instead of bytes (experiments/data.py, docs/experiments.md); None = off.
+        # (None, not "": a run stored before these keys existed resumes without a change)
+        tokens=None,  # a train .bin: nanoGPT (raw uint16) or llm.c (256-int32 header)
+        val_tokens=None,  # None: beside it, the last "train" in the name -> "val"
+        token_format=None,  # None/"auto" (from the llm.c magic), "nanogpt" or "llmc"
+        vocab_size=None))  # None/0: tokenizer.json/meta.pkl beside it, else max id + 1
 
     c.train = ml_collections.ConfigDict(dict(
         steps=150, lr=3e-3, min_lr_ratio=0.1, warmup=15, schedule="cosine",  # or "wsd"
