@@ -10,7 +10,7 @@ step, every per-tensor operand of a GEMM is quantized with
 
 and the step's own amaxes enter the history for the next step. The history is a pytree the
 training step carries, as optax carries optimizer state: for each GEMM a float32 array of
-shape ``(6, history_len)``, one row per operand in ``fp4lab.qdot.OPERANDS`` order (most recent
+shape ``(6, history_len)``, one row per operand in ``fp4lab.recipe.OPERANDS`` order (most recent
 first; rows of operands that are not per-tensor stay zero).
 
 How the step's amaxes come back (the backward operands' only exist in the backward pass):
@@ -41,7 +41,7 @@ import numpy as np
 
 __all__ = ["DelayedScaling", "init_history", "history_amax", "update", "NUM_OPERANDS"]
 
-NUM_OPERANDS = 6  # fp4lab.qdot.OPERANDS
+NUM_OPERANDS = 6  # len(fp4lab.recipe.OPERANDS) (recipe imports this module)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -270,10 +270,10 @@ class QuantizedLinen:
         return list(found.items())
 
     def probe_zeros(self, variables, *args, **kwargs) -> dict:
-        """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.qdot.probe_zeros`
+        """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.probes.probe_zeros`
         per governed layer. Pass ``{**variables, "probes": probes}`` and differentiate the loss
         with respect to ``probes``: its gradient holds every layer's GEMM-operand numerics
-        (rows: ``fp4lab.qdot.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
+        (rows: ``fp4lab.recipe.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
         out: dict = {}
         for path, kind in self.layers(variables, *args, **kwargs):
             _put(out, path, kind, probe_zeros())
