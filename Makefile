@@ -1,5 +1,6 @@
 # Entry points, each creating/updating the local virtual environment as needed:
-#   make sweep  the main job: train the hybrid LM under 11 precision policies (~10 min on CPU)
+#   make sweep  the main job: train the hybrid LM under 11 precision policies, 3 of them
+#               under 3 seeds (~15 min on 2 CPU cores)
 #   make demo   the fp4lab CLI: format table and format comparison plot
 #   make test   the test suite
 # Each target installs what it needs (the sm_90 compile check's 1 GB Triton wheel only for
