@@ -16,6 +16,12 @@ This module owns the loop over the policies and the reports; every file is writt
 rerunning the command skips finished runs (and resumes an interrupted one from its
 checkpoint). A run that fails is recorded with status ``failed`` and its error, and the sweep
 goes on (``--retry-failed`` runs it again).
+
+Beyond one machine: ``--shard i/n`` runs only the planned runs whose index is ``i`` modulo
+``n`` into the shared ``--out`` folder (a job array or several hosts; every run folder
+belongs to exactly one shard, and results are written atomically), and ``--report`` merges
+what exists into the reports, listing runs without a result as ``missing``; once every shard
+has finished, the merged report equals a sequential sweep's.
 """
 
 from __future__ import annotations
@@ -114,14 +120,32 @@ def _check_same_config(c, workdir: Path):
                          f"({format_changes(differ)}); use another --out or remove that folder")
 
 
-def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
-              progress: bool = True) -> list[dict]:
-    """Train every policy of ``config.sweep.policies`` (skipping finished runs), write the
-    reports, and return the results in sweep order."""
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)``: shard ``i`` of ``n`` (``0 <= i < n``)."""
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r} must look like i/n, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {text!r}: need 0 <= i < n")
+    return i, n
+
+
+def _check_policies(config):
     policies = list(config.sweep.policies)
     if len({run_name(p) for p in policies}) != len(policies):
         raise ValueError(f"sweep.policies has duplicates (after making folder names): "
                          f"{policies}")
+
+
+def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: bool = True,
+              shard: tuple[int, int] | None = None) -> list[dict]:
+    """Train every planned run (skipping finished ones), write the reports, and return the
+    results in sweep order. ``shard=(i, n)``: only the runs whose index in the plan is
+    ``i`` modulo ``n`` (jobs of an array, or hosts, sharing ``out``: each run folder belongs
+    to one shard), and no reports: :func:`collect_results` and :func:`write_reports` merge
+    what exists (``--report``)."""
+    _check_policies(config)
     plan = planned_runs(config)
     several = len(sweep_seeds(config)) > 1
     out = Path(out)
@@ -130,9 +154,28 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False,
     if not config.get("compile_cache"):  # the seeds of a policy compile one program
         config = config.copy_and_resolve_references()
         config.compile_cache = str(out / "compile_cache")
+    mine = [(p, s) for k, (p, s) in enumerate(plan) if shard is None or k % shard[1] == shard[0]]
     results = [_run_one(config, p, s if several else None, runs_dir, retry_failed, progress)
-               for p, s in plan]
-    write_reports(results, out)
+               for p, s in mine]
+    if shard is None:
+        write_reports(results, out)
+    return results
+
+
+def collect_results(config, out: str | Path) -> list[dict]:
+    """The result of every planned run found under ``out/runs``, in sweep order; a run with
+    no result yet has status ``missing``."""
+    _check_policies(config)
+    several = len(sweep_seeds(config)) > 1
+    results = []
+    for policy, seed in planned_runs(config):
+        name = run_name(policy, seed if several else None)
+        done = Path(out) / "runs" / name / "result.json"
+        if done.exists():
+            results.append({**json.loads(done.read_text()), "seed": seed})
+        else:
+            results.append({"name": name, "policy": policy, "seed": seed,
+                            "status": "missing", "error": "no result yet"})
     return results
 
 
@@ -192,7 +235,8 @@ def results_table(results: list[dict], baseline: str = "bf16") -> tuple[list[str
             if r["status"] != "ok":
                 rows.append([r["policy"] if "seed" not in r or len(runs) == 1 else
                              f"{r['policy']} (seed {r['seed']})",
-                             f"failed: {r.get('error', '')[:60]}"] + [""] * (len(header) - 2))
+                             f"{r['status']}: {r.get('error', '')[:60]}"] +
+                            [""] * (len(header) - 2))
         ok = [r for r in runs if r["status"] == "ok"]
         if ok:
             rows.append(_policy_row(ok, base, kinds))
@@ -431,17 +475,29 @@ def main(argv=None):
                     "results/sweep)")
     ap.add_argument("--retry-failed", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                    help="run only shard I of N of the planned runs (0 <= I < N) into the "
+                    "shared --out folder, and write no report")
+    ap.add_argument("--report", action="store_true", help="train nothing: merge the results "
+                    "found in --out (from shards, or an unfinished sweep) into the reports")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=300 "
                     "sweep.policies=\"('bf16','nvfp4')\"")
     args = ap.parse_args(argv)
     config = load_config(args.config, args.overrides)
+    if args.report and args.shard:
+        ap.error("--report merges the shards' results: give it without --shard")
     try:
-        results = run_sweep(config, args.out, retry_failed=args.retry_failed,
-                            progress=not args.quiet)
+        results = collect_results(config, args.out) if args.report else run_sweep(
+            config, args.out, retry_failed=args.retry_failed, progress=not args.quiet,
+            shard=args.shard)
     except KeyboardInterrupt as e:  # TrainingInterrupted: the run in progress saved its state
         print(f"\nsweep interrupted. {e or ''} Finished runs are kept; run the same command "
               "again to continue the sweep.", file=sys.stderr)
         return 130
+    if args.shard:
+        print(f"shard {args.shard[0]}/{args.shard[1]}: {len(results)} runs done; merge with "
+              f"--report when every shard has finished")
+        return 0 if all(r["status"] == "ok" for r in results) else 1
     print(write_reports(results, Path(args.out)))
     print(f"wrote {args.out}/results.csv, results.md, loss_curves.png, loss_gap_curves.png, "
           "gap_intervals.png, underflow_heatmap.png, sqnr_heatmap.png")

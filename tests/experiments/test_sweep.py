@@ -157,6 +157,44 @@ def test_a_sweep_over_seeds_reports_intervals(tmp_path, text, tiny, monkeypatch)
         assert (tmp_path / f).stat().st_size > 0, f
 
 
+def _fake_train(c, workdir, **kw):
+    """A run's files without training: losses that depend on the policy and the seed."""
+    from experiments.records import write_json_atomic
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    val = 2.0 + 0.01 * len(c.precision.policy) + 0.003 * c.seed
+    (workdir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "loss": val + 1 / (i + 1)}) + "\n" for i in range(20)))
+    result = {"name": workdir.name, "policy": c.precision.policy, "status": "ok",
+              "val_loss": val, "final_train_loss": val, "tokens_per_s": 100.0 + c.seed}
+    write_json_atomic(workdir / "config.json", c.to_dict())
+    write_json_atomic(workdir / "result.json", result)
+    return result
+
+
+def test_sharded_sweeps_merge_into_the_sequential_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "train", _fake_train)
+    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')",
+                                        "sweep.seeds=2", "sweep.seeded_policies=('bf16','nvfp4')"])
+    sequential = sweep.run_sweep(config, tmp_path / "seq", progress=False)
+    shards = [sweep.run_sweep(config, tmp_path / "sharded", progress=False, shard=(i, 3))
+              for i in range(3)]
+    names = [[r["name"] for r in s] for s in shards]
+    assert sorted(sum(names, [])) == sorted(r["name"] for r in sequential)  # disjoint, complete
+    assert not (tmp_path / "sharded" / "results.md").exists()  # shards write no report
+    partial = sweep.collect_results(config, tmp_path / "partial")
+    assert {r["status"] for r in partial} == {"missing"}
+    merged = sweep.collect_results(config, tmp_path / "sharded")
+    assert sweep.write_reports(merged, tmp_path / "sharded") == \
+        (tmp_path / "seq" / "results.md").read_text()
+    assert sweep.main(["--config", "sweep_tiny", "--out", str(tmp_path / "sharded"), "--report",
+                       "sweep.policies=('bf16','nvfp4','mxfp8')", "sweep.seeds=2",
+                       "sweep.seeded_policies=('bf16','nvfp4')"]) == 0
+    for bad in ("3/3", "1", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            sweep.parse_shard(bad)
+
+
 def _ops(underflow, mse):
     m = {"underflow": underflow, "mse": mse, "rel_mse": mse, "saturation": 0.0}
     return {"fprop_x": m, "fprop_w": dict(m, underflow=0.0),
