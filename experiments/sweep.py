@@ -81,27 +81,28 @@ def run_name(policy: str, seed: int | None = None) -> str:
     return name if seed is None else f"{name}-seed{seed}"
 
 
-def _run_one(config, policy: str, seed: int | None, runs_dir: Path, retry_failed: bool,
+def _read_result(done: Path, seed: int) -> dict:
+    return {**json.loads(done.read_text()), "seed": seed}
+
+
+def _run_one(config, policy: str, seed: int, name: str, runs_dir: Path, retry_failed: bool,
              progress: bool) -> dict:
-    name = run_name(policy, seed)
     workdir = runs_dir / name
     c = config.copy_and_resolve_references()
-    c.name, c.precision.policy = name, policy
-    if seed is not None:
-        c.seed = seed
+    c.name, c.precision.policy, c.seed = name, policy, seed
     _check_same_config(c, workdir)
     done = workdir / "result.json"
     if done.exists():
-        result = json.loads(done.read_text())
+        result = _read_result(done, seed)
         if result["status"] == "ok" or not retry_failed:
-            return {**result, "seed": c.seed}
+            return result
     try:
-        return {**train(c, workdir, progress=progress), "seed": c.seed}
+        return {**train(c, workdir, progress=progress), "seed": seed}
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
         workdir.mkdir(parents=True, exist_ok=True)
-        result = {"name": name, "policy": policy, "seed": c.seed, "status": "failed",
+        result = {"name": name, "policy": policy, "seed": seed, "status": "failed",
                   "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc(limit=8)}
         write_json_atomic(done, result)
@@ -131,11 +132,15 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _check_policies(config):
+def _named_runs(config) -> list[tuple[str, int, str]]:
+    """``(policy, seed, folder name)`` of every planned run (names carry the seed only when
+    the sweep has several)."""
     policies = list(config.sweep.policies)
     if len({run_name(p) for p in policies}) != len(policies):
         raise ValueError(f"sweep.policies has duplicates (after making folder names): "
                          f"{policies}")
+    several = len(sweep_seeds(config)) > 1
+    return [(p, s, run_name(p, s if several else None)) for p, s in planned_runs(config)]
 
 
 def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: bool = True,
@@ -145,18 +150,17 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     ``i`` modulo ``n`` (jobs of an array, or hosts, sharing ``out``: each run folder belongs
     to one shard), and no reports: :func:`collect_results` and :func:`write_reports` merge
     what exists (``--report``)."""
-    _check_policies(config)
-    plan = planned_runs(config)
-    several = len(sweep_seeds(config)) > 1
+    runs = _named_runs(config)
     out = Path(out)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not config.get("compile_cache"):  # the seeds of a policy compile one program
         config = config.copy_and_resolve_references()
         config.compile_cache = str(out / "compile_cache")
-    mine = [(p, s) for k, (p, s) in enumerate(plan) if shard is None or k % shard[1] == shard[0]]
-    results = [_run_one(config, p, s if several else None, runs_dir, retry_failed, progress)
-               for p, s in mine]
+    if shard is not None:
+        runs = [r for k, r in enumerate(runs) if k % shard[1] == shard[0]]
+    results = [_run_one(config, p, s, name, runs_dir, retry_failed, progress)
+               for p, s, name in runs]
     if shard is None:
         write_reports(results, out)
     return results
@@ -165,17 +169,12 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
 def collect_results(config, out: str | Path) -> list[dict]:
     """The result of every planned run found under ``out/runs``, in sweep order; a run with
     no result yet has status ``missing``."""
-    _check_policies(config)
-    several = len(sweep_seeds(config)) > 1
     results = []
-    for policy, seed in planned_runs(config):
-        name = run_name(policy, seed if several else None)
+    for policy, seed, name in _named_runs(config):
         done = Path(out) / "runs" / name / "result.json"
-        if done.exists():
-            results.append({**json.loads(done.read_text()), "seed": seed})
-        else:
-            results.append({"name": name, "policy": policy, "seed": seed,
-                            "status": "missing", "error": "no result yet"})
+        results.append(_read_result(done, seed) if done.exists() else {
+            "name": name, "policy": policy, "seed": seed, "status": "missing",
+            "error": "no result yet"})
     return results
 
 
@@ -190,6 +189,11 @@ def _by_policy(results: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def _val_by_seed(runs: list[dict]) -> dict[int, float]:
+    """The final validation loss of each finished run, keyed by its seed."""
+    return {r.get("seed", 0): r["val_loss"] for r in runs if r["status"] == "ok"}
+
+
 def _kinds(results: list[dict]) -> list[str]:
     found = {k for r in results for k in r.get("underflow_by_kind", {})}
     return [k for k in KIND_ORDER if k in found] + sorted(found - set(KIND_ORDER))
@@ -202,8 +206,8 @@ def _fmt(v, n):
 def _policy_row(runs: list[dict], base: list[dict], kinds: list[str]) -> list:
     """One policy's row: means over its seeds, the spread, and the gap to the baseline
     paired by seed with its 95 % interval (experiments.stats)."""
-    by_seed = {r.get("seed", 0): r["val_loss"] for r in runs}
-    gap = paired_gap(by_seed, {r.get("seed", 0): r["val_loss"] for r in base})
+    by_seed = _val_by_seed(runs)
+    gap = paired_gap(by_seed, _val_by_seed(base))
     if runs[0]["policy"] == (base[0]["policy"] if base else None):
         gap = gap._replace(low=math.nan, high=math.nan)  # the baseline itself: no interval
     speed = (np.mean([r["tokens_per_s"] for r in runs]) /
@@ -362,11 +366,10 @@ def plot_gap_intervals(results, path: Path, baseline: str = "bf16"):
     from matplotlib.figure import Figure
 
     groups = _by_policy(results)
-    base = {r.get("seed", 0): r["val_loss"] for r in groups.get(baseline, [])
-            if r["status"] == "ok"}
+    base = _val_by_seed(groups.get(baseline, []))
     rows = []
     for policy, runs in groups.items():
-        ok = {r.get("seed", 0): r["val_loss"] for r in runs if r["status"] == "ok"}
+        ok = _val_by_seed(runs)
         if policy != baseline and ok and base:
             rows.append((policy, paired_gap(ok, base)))
     if not rows:

@@ -66,16 +66,13 @@ from tqdm.auto import tqdm
 from experiments import policies, runinfo
 from experiments.data import Batch, TextData, load_data
 from experiments.model import HybridLM
-from experiments.probes import (layer_kind, layer_order, probe_records, summarize_probes,
-                                underflow_by_kind)
-from experiments.records import RunRecords, read_jsonl, write_json_atomic
+from experiments.probes import probe_records, summarize_probes, underflow_by_kind
+from experiments.records import RunRecords, read_jsonl
 from experiments.step import TrainState, make_eval, make_optimizer, make_step, model_config
 from fp4lab.flax import quantize_model
 
 __all__ = ["train", "main", "TrainingDiverged", "TrainingInterrupted", "TrainState",
-           "make_optimizer", "make_step", "model_config", "read_jsonl",
-           # moved to experiments.probes / experiments.records, still importable from here
-           "layer_kind", "layer_order", "write_json_atomic"]
+           "make_optimizer", "make_step", "model_config", "read_jsonl"]
 
 
 class TrainingDiverged(RuntimeError):

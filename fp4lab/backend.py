@@ -79,7 +79,7 @@ class Kernel:
     axes: tuple[int, ...] = (-1,)
     transforms: tuple[int | None, ...] = (None,)
     ndims: tuple[int, ...] | None = None  # input ranks served (None: any)
-    fn: Callable = dataclasses.field(compare=False, repr=False)
+    fn: Callable = dataclasses.field(repr=False)  # compared by identity: jit-static safe
 
     def refusal(self, r: Request) -> str | None:
         """Why this kernel cannot serve ``r``, or ``None``."""

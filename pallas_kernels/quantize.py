@@ -420,27 +420,18 @@ def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
                           interpret=_interpret_default(interpret))
 
 
-def _quantize_kernel(x, fmt, *, axis, tile, global_amax, rounding, key):
-    return quantize(x, fmt, axis=axis, tile=tile, global_amax=global_amax, rounding=rounding,
-                    key=key)
-
-
-def _dequantize_kernel_fn(q, dtype):
-    return dequantize(q, dtype)
-
-
 # The requests these kernels serve, as data (fp4lab.backend's table; pallas_kernels.register)
 KERNELS = (
     Kernel(name="NVFP4 1D quantize", op="quantize", scheme=NVFP4Scale, elements=(E2M1,),
-           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=_quantize_kernel),
+           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=quantize),
     Kernel(name="NVFP4 2D-tile quantize", op="quantize", scheme=NVFP4Scale, elements=(E2M1,),
-           tiles=((16, 16), (32, 32)), fn=_quantize_kernel),
+           tiles=((16, 16), (32, 32)), fn=quantize),
     Kernel(name="MX FP8 quantize", op="quantize", scheme=PowerOfTwoScale,
-           elements=(E4M3, E5M2), blocks=(16, 32), fn=_quantize_kernel),
+           elements=(E4M3, E5M2), blocks=(16, 32), fn=quantize),
     Kernel(name="MX FP4 quantize", op="quantize", scheme=PowerOfTwoScale, elements=(E2M1,),
-           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=_quantize_kernel),
+           blocks=(16, 32), roundings=("nearest", "stochastic"), fn=quantize),
     Kernel(name="NVFP4 dequantize", op="dequantize", scheme=NVFP4Scale, elements=(E2M1,),
-           blocks=(16, 32), fn=_dequantize_kernel_fn),
+           blocks=(16, 32), fn=dequantize),
     Kernel(name="MX dequantize", op="dequantize", scheme=PowerOfTwoScale,
-           elements=(E4M3, E5M2, E2M1), blocks=(16, 32), fn=_dequantize_kernel_fn),
+           elements=(E4M3, E5M2, E2M1), blocks=(16, 32), fn=dequantize),
 )
