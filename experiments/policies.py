@@ -6,6 +6,9 @@
   out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
   ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
   recipe name (every layer in that recipe);
+* ``<recipe>_bf16_first<k>`` / ``<recipe>_bf16_last<k>``: every layer in the recipe except
+  those of the first / last ``k`` blocks, in BF16 (``nvfp4_bf16_last2``: the NVFP4 paper's
+  ablation of which blocks to keep in high precision);
 * anything ``fp4lab.policy.get_policy`` accepts (``nvfp4_paper``, ``all:<recipe>``);
 * ``file:<path.json>``: a policy written by ``experiments.auto_assign`` (or
   ``fp4lab.policy.save_policy``); the library reads it the same way
@@ -14,7 +17,9 @@
 
 from __future__ import annotations
 
-from fp4lab.policy import PrecisionPolicy, all_layers, get_policy, nemotron3
+import re
+
+from fp4lab.policy import Depth, PrecisionPolicy, Rule, all_layers, get_policy, nemotron3
 from fp4lab.recipe import RECIPES
 
 __all__ = ["get", "NAMED"]
@@ -35,9 +40,15 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
                                block_pattern=policy.block_pattern)
     if name in RECIPES:
         return all_layers(name)
+    m = re.fullmatch(r"(\w+?)_bf16_(first|last)(\d+)", name)
+    if m and m[1] in RECIPES and int(m[3]) > 0:
+        depth = Depth(**{m[2]: int(m[3])})
+        return PrecisionPolicy(rules=(Rule(name=f"{m[2]} {m[3]} blocks", recipe="bf16",
+                                           depth=depth),), default=m[1], name=name)
     try:
         return get_policy(name)
     except ValueError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(NAMED)}, any recipe "
-                         f"({', '.join(RECIPES)}), nvfp4_paper, all:<recipe>, "
+                         f"({', '.join(RECIPES)}), <recipe>_bf16_first<k>, "
+                         "<recipe>_bf16_last<k>, nvfp4_paper, all:<recipe>, "
                          "file:<policy.json>") from None

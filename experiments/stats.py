@@ -5,6 +5,10 @@ initialization, data order and stochastic-rounding keys), ``gap_s = 100 (L_polic
 L_base,s) / L_base,s``; the report gives the mean gap and its 95 % t interval
 ``mean ± t(0.975, n-1) sd / sqrt(n)`` over the ``n`` seeds, and calls the gap distinguishable
 from zero when that interval excludes zero. One seed gives a gap and no interval.
+
+Whether a gap changes between two settings (a larger model, the late BF16 switch, another
+optimizer) is paired the same way: per seed ``gap_s(a) - gap_s(b)``, each gap against its
+own setting's baseline, with the t interval of the mean difference.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy import stats as _scipy_stats
 
-__all__ = ["Interval", "mean_interval", "paired_gap"]
+__all__ = ["Interval", "GapDifference", "mean_interval", "paired_gap", "gap_difference"]
 
 
 class Interval(NamedTuple):
@@ -50,4 +54,29 @@ def paired_gap(values: dict[int, float], base: dict[int, float],
     """The relative gap in % of ``values`` to ``base`` (both keyed by seed), paired over the
     seeds both have."""
     seeds = sorted(set(values) & set(base))
-    return mean_interval((100 * (values[s] - base[s]) / base[s] for s in seeds), confidence)
+    return mean_interval(_relative_gaps(values, base, seeds), confidence)
+
+
+def _relative_gaps(values: dict[int, float], base: dict[int, float], seeds) -> list[float]:
+    return [100 * (values[s] - base[s]) / base[s] for s in seeds]
+
+
+class GapDifference(NamedTuple):
+    gap: float  # mean gap in % of the first setting, over the shared seeds
+    gap_there: float  # the same for the second setting
+    difference: Interval  # of the per-seed differences gap - gap_there
+
+
+def gap_difference(values: dict[int, float], base: dict[int, float],
+                   values_there: dict[int, float], base_there: dict[int, float],
+                   confidence: float = 0.95) -> GapDifference:
+    """How the relative gap of ``values`` to ``base`` differs from the gap of
+    ``values_there`` to ``base_there`` (all keyed by seed), paired over the seeds all four
+    have."""
+    seeds = sorted(set(values) & set(base) & set(values_there) & set(base_there))
+    here = _relative_gaps(values, base, seeds)
+    there = _relative_gaps(values_there, base_there, seeds)
+    nan = float("nan")
+    return GapDifference(float(np.mean(here)) if seeds else nan,
+                         float(np.mean(there)) if seeds else nan,
+                         mean_interval((a - b for a, b in zip(here, there)), confidence))

@@ -2,8 +2,8 @@
 
 * :class:`TrainState`: step, FP32 master weights, optimizer state, the first non-finite step
   (``bad_step``) and the FP8 delayed-scaling amax history;
-* :func:`make_optimizer`: optax AdamW with a cosine or warmup-stable-decay (WSD) schedule and
-  gradient clipping;
+* :func:`make_optimizer` (from ``experiments.optimizers``): AdamW or Muon, with a cosine or
+  warmup-stable-decay (WSD) schedule and gradient clipping;
 * :func:`make_loss`: cross-entropy (plus the weighted multi-token-prediction loss) of a
   quantized model, with its probes and amax history as inputs so that their gradients are
   the probe metrics and the observed amaxes;
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments.model import ModelConfig
+from experiments.optimizers import make_optimizer
 from fp4lab import delayed
 
 __all__ = ["TrainState", "model_config", "make_optimizer", "make_loss", "make_step",
@@ -42,25 +43,6 @@ class TrainState:
 
 def model_config(config) -> ModelConfig:
     return ModelConfig(**dict(config.model))
-
-
-def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW and its learning-rate schedule from the ``train`` section of a config."""
-    if t.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup, t.steps,
-                                                   end_value=t.lr * t.min_lr_ratio)
-    elif t.schedule == "wsd":
-        decay = max(1, int(round(t.steps * t.decay_fraction)))
-        stable = max(0, t.steps - t.warmup - decay)
-        sched = optax.join_schedules([
-            optax.linear_schedule(0.0, t.lr, t.warmup), optax.constant_schedule(t.lr),
-            optax.linear_schedule(t.lr, t.lr * t.min_lr_ratio, decay)],
-            [t.warmup, t.warmup + stable])
-    else:
-        raise ValueError(f"train.schedule={t.schedule!r}: use 'cosine' or 'wsd'")
-    tx = optax.chain(optax.clip_by_global_norm(t.clip),
-                     optax.adamw(sched, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
-    return tx, sched
 
 
 def _cross_entropy(logits_BxLxV, targets_BxL, weights_BxL):

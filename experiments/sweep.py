@@ -1,19 +1,30 @@
-"""Sweep driver: the same model, data and seed under a list of precision policies.
+"""Sweep driver: the same model and data under a list of precision policies, seeds, sizes and
+variants.
 
     python -m experiments.sweep [--config sweep] [--out results/sweep] [key=value ...]
 
-For every policy in ``sweep.policies`` it trains one run in ``<out>/runs/<policy>/`` (see
-``experiments.train``) and then writes, from every run's ``result.json``:
+For every policy in ``sweep.policies`` and seed in ``sweep.seeds`` it trains one run in
+``<out>/runs/<policy>[-seed<s>]/`` (see ``experiments.train``). ``sweep.sizes`` (dicts of
+``model`` keys, e.g. ``{"name": "d128", "d_model": 128}``) crossed with ``sweep.variants``
+(dicts of dotted config keys with a ``name`` and optionally their own ``policies``, e.g.
+``{"name": "late10", "train.bf16_last_fraction": 0.1, "policies": ("nvfp4",)}``) repeat the
+grid per point, in ``<out>/runs/<size>-<variant>/``; gaps are taken against the ``bf16``
+run of the same point (of the first variant of its size when the point runs no ``bf16``).
+From every run's ``result.json`` it then writes:
 
-* ``results.csv`` and ``results.md``: final train and validation loss, the validation gap to
-  the ``bf16`` run in %, tokens/s and its ratio to ``bf16``, mean underflow per layer kind;
-* ``loss_curves.png``: training loss (smoothed) of every run;
+* ``results.csv`` and ``results.md``: per policy (and point) the final train and validation
+  loss, the validation gap to ``bf16`` in % paired by seed with its 95 % interval, tokens/s
+  and its ratio to ``bf16``, mean underflow per layer kind; with variants, also
+  ``differences.csv`` and a second table in ``results.md``: how each policy's gap changes
+  from the first variant (or size) to the others, paired by seed, with its interval;
+* ``loss_curves.png``, ``loss_gap_curves.png`` (relative to ``bf16`` over the steps, the
+  seeds' range as a band), ``gap_intervals.png``, ``gap_vs_size.png`` (with sizes);
 * ``underflow_heatmap.png`` and ``sqnr_heatmap.png``: layer x GEMM-operand maps, one panel per
-  run (mean over the probe steps; grey: the operand is not quantized).
+  policy (mean over the probe steps and seeds; grey: the operand is not quantized).
 
-This module owns the loop over the policies and the reports; every file is written atomically
-(``experiments.records.write_atomic``). Each run's result is written when it finishes;
-rerunning the command skips finished runs (and resumes an interrupted one from its
+This module owns the plan, the loop over it and the reports; every file is written
+atomically (``experiments.records.write_atomic``). Each run's result is written when it
+finishes; rerunning the command skips finished runs (and resumes an interrupted one from its
 checkpoint). A run that fails is recorded with status ``failed`` and its error, and the sweep
 goes on (``--retry-failed`` runs it again).
 
@@ -35,13 +46,14 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from experiments.configs import config_changes, format_changes
+from experiments.configs import apply_overrides, config_changes, format_changes
 from experiments.probes import KIND_ORDER, layer_order
 from experiments.records import read_jsonl, write_atomic, write_json_atomic
-from experiments.stats import paired_gap
+from experiments.stats import gap_difference, paired_gap
 from experiments.train import train
 
 __all__ = ["run_sweep", "results_table", "write_reports", "main"]
@@ -60,16 +72,100 @@ def sweep_seeds(config) -> list[int]:
     return out
 
 
-def planned_runs(config) -> list[tuple[str, int]]:
-    """``(policy, seed)`` of every run, in order: each policy under every seed, or, when
-    ``sweep.seeded_policies`` names some, those under every seed and the rest under the
-    first one only."""
+class Variant(NamedTuple):
+    """A point of the sweep's grid besides policy and seed: a model size and/or a set of
+    config changes (``sweep.sizes`` x ``sweep.variants``)."""
+
+    name: str  # "" for the plain config; the run folders' parent (runs/<name>/...)
+    overrides: dict  # {dotted config key: value}
+    policies: tuple[str, ...]  # the policies it runs
+    size: str  # the size's name ("" without sweep.sizes)
+    base: str  # the variant whose baseline (bf16) run its gaps are relative to
+    reference: str | None  # the variant its gaps are compared with (None: it is the first)
+
+
+def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, tuple | None]]:
+    """``(name, overrides, policies or None)`` of the ``sweep.sizes`` or ``sweep.variants``
+    entries (dicts of dotted config keys; in a size, a key without a dot is a ``model`` key;
+    ``name`` and, in a variant, ``policies`` are not config keys)."""
+    out = []
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not entry:
+            raise ValueError(f"sweep.{what}[{k}]={entry!r} must be a non-empty dict of config "
+                             "keys (and a 'name')")
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        policies = None if size else entry.pop("policies", None)
+        overrides = {(f"model.{key}" if size and "." not in key else key): v
+                     for key, v in entry.items()}
+        if name is None:
+            if not size:
+                raise ValueError(f"sweep.variants[{k}]={entry!r} needs a 'name'")
+            name = "-".join(f"{key.split('.')[-1]}{v}" for key, v in overrides.items())
+        if not isinstance(name, str) or run_name(name) != name:
+            raise ValueError(f"sweep.{what}[{k}]: name {name!r} must be a folder name "
+                             "(letters, digits, '_', '.', '+', '-')")
+        if policies is not None:
+            policies = (policies,) if isinstance(policies, str) else tuple(policies)
+        out.append((name, overrides, policies))
+    if len({n for n, _, _ in out}) != len(out):
+        raise ValueError(f"sweep.{what} has duplicate names: {[n for n, _, _ in out]}")
+    return out
+
+
+def sweep_variants(config, baseline: str = "bf16") -> list[Variant]:
+    """Every size crossed with every variant (sizes outer), with their names joined by
+    ``-``; no sizes and no variants: one plain variant named ``""``. A variant whose
+    policies do not include the baseline takes its gaps from the baseline of the first
+    variant of its size (none there: no gaps); a later variant's gaps are compared with the
+    first variant's of its size, and the first variant of a later size with the first
+    size's."""
+    sizes = _named_points(config.sweep.get("sizes", ()), "sizes", size=True) or [("", {}, None)]
+    points = _named_points(config.sweep.get("variants", ()), "variants", size=False) or [
+        ("", {}, None)]
+    default = tuple(config.sweep.policies)
+    out = []
+    for i, (size, size_over) in enumerate((s, o) for s, o, _ in sizes):
+        first = None
+        for j, (name, over, policies) in enumerate(points):
+            full = "-".join(n for n in (size, name) if n)
+            clash = set(size_over) & set(over)
+            if clash:
+                raise ValueError(f"sweep.sizes and sweep.variants both set {sorted(clash)}")
+            policies = policies or default
+            first = first or (full, policies)
+            reference = None if i == 0 and j == 0 else (
+                first[0] if j else "-".join(n for n in (sizes[0][0], name) if n))
+            out.append(Variant(full, {**size_over, **over}, policies, size,
+                               full if baseline in policies else first[0], reference))
+    return out
+
+
+class PlannedRun(NamedTuple):
+    policy: str
+    seed: int
+    variant: Variant
+    name: str  # its folder under runs/: [<variant>/]<policy>[-seed<s>]
+
+
+def planned_runs(config) -> list[PlannedRun]:
+    """Every run, in order (seeds outer, then variants, then policies): each policy under
+    every seed, or, when ``sweep.seeded_policies`` names some, those under every seed and
+    the rest under the first one only."""
     seeds, every = sweep_seeds(config), tuple(config.sweep.get("seeded_policies", ()))
-    unknown = set(every) - set(config.sweep.policies)
+    variants = sweep_variants(config)
+    unknown = set(every) - {p for v in variants for p in v.policies}
     if unknown:
         raise ValueError(f"sweep.seeded_policies names {sorted(unknown)}, which are not in "
                          f"sweep.policies")
-    return [(p, s) for s in seeds for p in config.sweep.policies
+    for v in variants:
+        if len({run_name(p) for p in v.policies}) != len(v.policies):
+            raise ValueError(f"sweep.policies has duplicates (after making folder names): "
+                             f"{list(v.policies)}")
+    several = len(seeds) > 1
+    return [PlannedRun(p, s, v, "/".join(n for n in (v.name, run_name(
+        p, s if several else None)) if n))
+            for s in seeds for v in variants for p in v.policies
             if s == seeds[0] or not every or p in every]
 
 
@@ -81,32 +177,45 @@ def run_name(policy: str, seed: int | None = None) -> str:
     return name if seed is None else f"{name}-seed{seed}"
 
 
-def _read_result(done: Path, seed: int) -> dict:
-    return {**json.loads(done.read_text()), "seed": seed}
+def _identity(run: PlannedRun) -> dict:
+    """What a result carries of its place in the plan (the reports group and pair by it)."""
+    v = run.variant
+    return {"name": run.name, "policy": run.policy, "seed": run.seed, "variant": v.name,
+            "size": v.size, "base_variant": v.base, "reference_variant": v.reference}
 
 
-def _run_one(config, policy: str, seed: int, name: str, runs_dir: Path, retry_failed: bool,
+def _read_result(done: Path, run: PlannedRun) -> dict:
+    return {**json.loads(done.read_text()), **_identity(run)}
+
+
+def run_config(config, run: PlannedRun):
+    """The config a planned run trains: its variant's changes, policy, seed and name."""
+    c = apply_overrides(config.copy_and_resolve_references(),
+                        [f"{k}={v!r}" for k, v in run.variant.overrides.items()])
+    c.name, c.precision.policy, c.seed = run.name, run.policy, run.seed
+    return c
+
+
+def _run_one(config, run: PlannedRun, runs_dir: Path, retry_failed: bool,
              progress: bool) -> dict:
-    workdir = runs_dir / name
-    c = config.copy_and_resolve_references()
-    c.name, c.precision.policy, c.seed = name, policy, seed
+    workdir = runs_dir / run.name
+    c = run_config(config, run)
     _check_same_config(c, workdir)
     done = workdir / "result.json"
     if done.exists():
-        result = _read_result(done, seed)
+        result = _read_result(done, run)
         if result["status"] == "ok" or not retry_failed:
             return result
     try:
-        return {**train(c, workdir, progress=progress), "seed": seed}
+        return {**train(c, workdir, progress=progress), **_identity(run)}
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
         workdir.mkdir(parents=True, exist_ok=True)
-        result = {"name": name, "policy": policy, "seed": seed, "status": "failed",
-                  "error": f"{type(e).__name__}: {e}",
+        result = {**_identity(run), "status": "failed", "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc(limit=8)}
         write_json_atomic(done, result)
-        print(f"run {name} FAILED: {result['error']}")
+        print(f"run {run.name} FAILED: {result['error']}")
         return result
 
 
@@ -132,17 +241,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _named_runs(config) -> list[tuple[str, int, str]]:
-    """``(policy, seed, folder name)`` of every planned run (names carry the seed only when
-    the sweep has several)."""
-    policies = list(config.sweep.policies)
-    if len({run_name(p) for p in policies}) != len(policies):
-        raise ValueError(f"sweep.policies has duplicates (after making folder names): "
-                         f"{policies}")
-    several = len(sweep_seeds(config)) > 1
-    return [(p, s, run_name(p, s if several else None)) for p, s in planned_runs(config)]
-
-
 def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: bool = True,
               shard: tuple[int, int] | None = None) -> list[dict]:
     """Train every planned run (skipping finished ones), write the reports, and return the
@@ -150,7 +248,9 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     ``i`` modulo ``n`` (jobs of an array, or hosts, sharing ``out``: each run folder belongs
     to one shard), and no reports: :func:`collect_results` and :func:`write_reports` merge
     what exists (``--report``)."""
-    runs = _named_runs(config)
+    runs = planned_runs(config)
+    for run in {r.variant.name: r for r in runs}.values():
+        run_config(config, run)  # a variant's unknown key fails now, not after hours
     out = Path(out)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -159,8 +259,7 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
         config.compile_cache = str(out / "compile_cache")
     if shard is not None:
         runs = [r for k, r in enumerate(runs) if k % shard[1] == shard[0]]
-    results = [_run_one(config, p, s, name, runs_dir, retry_failed, progress)
-               for p, s, name in runs]
+    results = [_run_one(config, r, runs_dir, retry_failed, progress) for r in runs]
     if shard is None:
         write_reports(results, out)
     return results
@@ -170,28 +269,42 @@ def collect_results(config, out: str | Path) -> list[dict]:
     """The result of every planned run found under ``out/runs``, in sweep order; a run with
     no result yet has status ``missing``."""
     results = []
-    for policy, seed, name in _named_runs(config):
-        done = Path(out) / "runs" / name / "result.json"
-        results.append(_read_result(done, seed) if done.exists() else {
-            "name": name, "policy": policy, "seed": seed, "status": "missing",
-            "error": "no result yet"})
+    for run in planned_runs(config):
+        done = Path(out) / "runs" / run.name / "result.json"
+        results.append(_read_result(done, run) if done.exists() else {
+            **_identity(run), "status": "missing", "error": "no result yet"})
     return results
 
 
 # ----------------------------------------------------------------------------- reports
 
 
-def _by_policy(results: list[dict]) -> dict[str, list[dict]]:
-    """The results grouped by policy, in sweep order (the seeds of a policy together)."""
-    out: dict[str, list[dict]] = {}
+def _groups(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The results grouped by (variant, policy), in sweep order (the seeds of a policy
+    together)."""
+    out: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        out.setdefault(r["policy"], []).append(r)
+        out.setdefault((r.get("variant", ""), r["policy"]), []).append(r)
     return out
+
+
+def _label(key: tuple[str, str]) -> str:
+    """``policy`` or ``policy @ variant``."""
+    return f"{key[1]} @ {key[0]}" if key[0] else key[1]
+
+
+def _base_key(key: tuple[str, str], runs: list[dict], baseline: str) -> tuple[str, str]:
+    """The (variant, policy) of the baseline runs the group's gaps are relative to."""
+    return (runs[0].get("base_variant") or key[0], baseline)
+
+
+def _ok(runs: list[dict]) -> list[dict]:
+    return [r for r in runs if r["status"] == "ok"]
 
 
 def _val_by_seed(runs: list[dict]) -> dict[int, float]:
     """The final validation loss of each finished run, keyed by its seed."""
-    return {r.get("seed", 0): r["val_loss"] for r in runs if r["status"] == "ok"}
+    return {r.get("seed", 0): r["val_loss"] for r in _ok(runs)}
 
 
 def _kinds(results: list[dict]) -> list[str]:
@@ -203,12 +316,13 @@ def _fmt(v, n):
     return (round(v, n) if n else round(v)) if math.isfinite(v) else ""
 
 
-def _policy_row(runs: list[dict], base: list[dict], kinds: list[str]) -> list:
+def _policy_row(runs: list[dict], base: list[dict], kinds: list[str],
+                is_base: bool = False) -> list:
     """One policy's row: means over its seeds, the spread, and the gap to the baseline
     paired by seed with its 95 % interval (experiments.stats)."""
     by_seed = _val_by_seed(runs)
     gap = paired_gap(by_seed, _val_by_seed(base))
-    if runs[0]["policy"] == (base[0]["policy"] if base else None):
+    if is_base:
         gap = gap._replace(low=math.nan, high=math.nan)  # the baseline itself: no interval
     speed = (np.mean([r["tokens_per_s"] for r in runs]) /
              np.mean([r["tokens_per_s"] for r in base])) if base else math.nan
@@ -224,26 +338,67 @@ def _policy_row(runs: list[dict], base: list[dict], kinds: list[str]) -> list:
              len(runs), _fmt(sd, 4), ci, differs] + [_fmt(u, 2) for u in under])
 
 
+def _has_variants(results: list[dict]) -> bool:
+    return any(r.get("variant") for r in results)
+
+
 def results_table(results: list[dict], baseline: str = "bf16") -> tuple[list[str], list[list]]:
-    """Header and rows of the results table, one row per policy (means over its seeds; a
-    failed run gets its own row), values rounded for reading."""
-    groups = _by_policy(results)
-    base = [r for r in groups.get(baseline, []) if r["status"] == "ok"]
+    """Header and rows of the results table, one row per policy (and variant, in a sweep
+    with variants: a first column then names it; means over its seeds; a failed run gets
+    its own row), values rounded for reading. Gaps and speeds are relative to the
+    baseline runs of the group's ``base_variant`` (its own variant by default)."""
+    groups = _groups(results)
     kinds = _kinds(results)
+    variants = _has_variants(results)
     header = (["policy", "status", "train loss", "val loss", f"val gap vs {baseline} %",
                "tokens/s", f"speed vs {baseline}", "seeds", "val loss sd",
                "gap 95% CI", "gap != 0"] + [f"underflow % {k}" for k in kinds])
     rows = []
-    for policy, runs in groups.items():
+    for key, runs in groups.items():
+        lead = [key[0]] if variants else []
         for r in runs:
             if r["status"] != "ok":
-                rows.append([r["policy"] if "seed" not in r or len(runs) == 1 else
-                             f"{r['policy']} (seed {r['seed']})",
-                             f"{r['status']}: {r.get('error', '')[:60]}"] +
+                rows.append(lead + [r["policy"] if "seed" not in r or len(runs) == 1 else
+                                    f"{r['policy']} (seed {r['seed']})",
+                                    f"{r['status']}: {r.get('error', '')[:60]}"] +
                             [""] * (len(header) - 2))
-        ok = [r for r in runs if r["status"] == "ok"]
+        ok = _ok(runs)
         if ok:
-            rows.append(_policy_row(ok, base, kinds))
+            base_key = _base_key(key, runs, baseline)
+            rows.append(lead + _policy_row(ok, _ok(groups.get(base_key, [])), kinds,
+                                           is_base=base_key == key))
+    return (["variant"] if variants else []) + header, rows
+
+
+def difference_table(results: list[dict], baseline: str = "bf16") -> tuple[list[str],
+                                                                           list[list]]:
+    """How a policy's gap to the baseline changes between variants (a later size, the late
+    BF16 switch, another optimizer): per policy and variant with a ``reference_variant``,
+    the gap there minus the gap in the reference, paired by seed over the seeds all four
+    runs have, with its 95 % interval (:func:`experiments.stats.gap_difference`). Empty
+    without variants."""
+    groups = _groups(results)
+    header = ["policy", "variant", "vs variant", "gap %", "gap there %", "difference %",
+              "difference 95% CI", "difference != 0", "seeds"]
+    rows = []
+    for (variant, policy), runs in groups.items():
+        ref = runs[0].get("reference_variant")
+        if policy == baseline or ref is None or (ref, policy) not in groups:
+            continue
+        there = groups[(ref, policy)]
+        d = gap_difference(
+            _val_by_seed(runs), _val_by_seed(groups.get(_base_key((variant, policy), runs,
+                                                                  baseline), [])),
+            _val_by_seed(there), _val_by_seed(groups.get(_base_key((ref, policy), there,
+                                                                   baseline), [])))
+        if not d.difference.n:
+            continue
+        ci = (f"[{d.difference.low:.2f}, {d.difference.high:.2f}]"
+              if math.isfinite(d.difference.low) else "")
+        rows.append([policy, variant, ref, _fmt(d.gap, 2), _fmt(d.gap_there, 2),
+                     _fmt(d.difference.mean, 2), ci,
+                     {True: "yes", False: "no", None: ""}[d.difference.distinguishable],
+                     d.difference.n])
     return header, rows
 
 
@@ -254,19 +409,29 @@ def _markdown(header, rows) -> str:
 
 
 def write_reports(results: list[dict], out: Path) -> str:
-    """Write results.csv/.md and the plots; return the Markdown table."""
+    """Write results.csv/.md (and, with variants, differences.csv and the difference table
+    in results.md) and the plots; return the Markdown."""
     out = Path(out)
     header, rows = results_table(results)
     buf = io.StringIO()
     csv.writer(buf).writerows([header] + rows)
     write_atomic(out / "results.csv", buf.getvalue())
     md = _markdown(header, rows)
+    d_header, d_rows = difference_table(results)
+    if d_rows:
+        buf = io.StringIO()
+        csv.writer(buf).writerows([d_header] + d_rows)
+        write_atomic(out / "differences.csv", buf.getvalue())
+        md += ("\nGap differences between variants (each gap against its own variant's "
+               "baseline, paired by seed):\n\n" + _markdown(d_header, d_rows))
     write_atomic(out / "results.md", md)
-    ok = [r for r in results if r["status"] == "ok"]
+    ok = _ok(results)
     if ok:
         plot_losses(ok, out / "runs", out / "loss_curves.png")
         plot_loss_gaps(ok, out / "runs", out / "loss_gap_curves.png")
         plot_gap_intervals(results, out / "gap_intervals.png")
+        if any(r.get("size") for r in ok):
+            plot_gap_vs_size(results, out / "gap_vs_size.png")
         for metric, fname in (("underflow", "underflow_heatmap.png"),
                               ("sqnr_db", "sqnr_heatmap.png")):
             plot_heatmaps(ok, metric, out / fname)
@@ -297,7 +462,7 @@ def plot_losses(results, runs_dir: Path, path: Path):
 
     fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
-    for policy, runs in _by_policy(results).items():
+    for key, runs in _groups(results).items():
         curves = [_losses(runs_dir, r) for r in runs]
         n_steps = min(len(c[1]) for c in curves)
         if not n_steps:
@@ -305,9 +470,10 @@ def plot_losses(results, runs_dir: Path, path: Path):
         n = max(1, n_steps // 15)
         mean = np.mean([c[1][:n_steps] for c in curves], axis=0)
         val = np.mean([r["val_loss"] for r in runs])
+        plain = key == ("", "bf16")
         ax.plot(curves[0][0][:n_steps][n - 1:], _smooth(mean, n),
-                label=f"{policy} (val {val:.3f})", lw=2.2 if policy == "bf16" else 1.2,
-                color="black" if policy == "bf16" else None)
+                label=f"{_label(key)} (val {val:.3f})", lw=2.2 if plain else 1.2,
+                color="black" if plain else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte, smoothed)")
     ax.set_title("loss curves per precision policy (mean over seeds)")
@@ -339,15 +505,18 @@ def plot_loss_gaps(results, runs_dir: Path, path: Path, baseline: str = "bf16"):
     paper plots it): the mean over seeds, and the seeds' range as a band."""
     from matplotlib.figure import Figure
 
-    groups = _by_policy(results)
-    base = groups.get(baseline, [])
+    groups = _groups(results)
     fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
-    for policy, runs in groups.items():
-        gaps, steps = _relative_gaps(runs, base, runs_dir) if policy != baseline else ([], None)
+    for key, runs in groups.items():
+        if key[1] == baseline:
+            continue
+        gaps, steps = _relative_gaps(runs, groups.get(_base_key(key, runs, baseline), []),
+                                     runs_dir)
         if steps is None or not len(gaps) or not gaps.shape[1]:
             continue
-        line, = ax.plot(steps, gaps.mean(0), lw=1.2, label=f"{policy} ({len(gaps)} seeds)")
+        line, = ax.plot(steps, gaps.mean(0), lw=1.2,
+                        label=f"{_label(key)} ({len(gaps)} seeds)")
         if len(gaps) > 1:
             ax.fill_between(steps, gaps.min(0), gaps.max(0), color=line.get_color(), alpha=0.15)
     ax.axhline(0, color="black", lw=1)
@@ -365,13 +534,13 @@ def plot_gap_intervals(results, path: Path, baseline: str = "bf16"):
     interval (a dot alone: one seed)."""
     from matplotlib.figure import Figure
 
-    groups = _by_policy(results)
-    base = _val_by_seed(groups.get(baseline, []))
+    groups = _groups(results)
     rows = []
-    for policy, runs in groups.items():
+    for key, runs in groups.items():
         ok = _val_by_seed(runs)
-        if policy != baseline and ok and base:
-            rows.append((policy, paired_gap(ok, base)))
+        base = _val_by_seed(groups.get(_base_key(key, runs, baseline), []))
+        if key[1] != baseline and ok and base:
+            rows.append((_label(key), paired_gap(ok, base)))
     if not rows:
         return
     fig = Figure(figsize=(7, 0.35 * len(rows) + 1.5))
@@ -386,6 +555,46 @@ def plot_gap_intervals(results, path: Path, baseline: str = "bf16"):
     ax.axvline(0, color="black", lw=1)
     ax.set_xlabel(f"validation loss gap vs {baseline} (%), 95 % interval paired by seed")
     ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    _save_png(fig, path)
+
+
+def plot_gap_vs_size(results, path: Path, baseline: str = "bf16"):
+    """The final validation gap to the baseline against the model's parameter count (the
+    shape of the NVFP4 paper's figure), one line per policy (and variant besides the size),
+    with the 95 % intervals paired by seed."""
+    from matplotlib.figure import Figure
+
+    groups = _groups(results)
+    lines: dict[str, list] = {}
+    for key, runs in groups.items():
+        ok, size = _ok(runs), runs[0].get("size", "")
+        if key[1] == baseline or not ok or not size or "params" not in ok[0]:
+            continue
+        gap = paired_gap(_val_by_seed(ok), _val_by_seed(groups.get(
+            _base_key(key, runs, baseline), [])))
+        if gap.n:
+            rest = key[0][len(size) + 1:] if key[0].startswith(f"{size}-") else ""
+            lines.setdefault(_label((rest, key[1])), []).append((ok[0]["params"], size, gap))
+    if not lines:
+        return
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for k, (label, points) in enumerate(lines.items()):
+        points.sort(key=lambda p: p[0])
+        x = np.array([p[0] for p in points], float) * (1 + 0.02 * (k - len(lines) / 2))
+        g = [p[2] for p in points]
+        mean = np.array([v.mean for v in g])
+        err = np.array([[v.mean - v.low, v.high - v.mean] if math.isfinite(v.low) else [0, 0]
+                        for v in g]).T
+        ax.errorbar(x, mean, yerr=err, fmt="o-", capsize=3, lw=1.2, label=label)
+    ax.set_xscale("log")
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"validation loss gap vs {baseline} (%)")
+    ax.set_title("gap vs model size (95 % intervals paired by seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     _save_png(fig, path)
 
@@ -432,14 +641,15 @@ def plot_heatmaps(results, metric: str, path: Path):
 
     from fp4lab.recipe import OPERANDS
 
-    panels = [(p, [r for r in runs if r.get("probe_summary")])
-              for p, runs in _by_policy(results).items()]
+    panels = [(_label(key), [r for r in runs if r.get("probe_summary")])
+              for key, runs in _groups(results).items()]
     panels = [(p, runs) for p, runs in panels if runs]
     if not panels:
         return
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
-    layers = sorted(panels[0][1][0]["probe_summary"], key=layer_order)
+    layers = sorted({name for _, runs in panels for r in runs for name in r["probe_summary"]},
+                    key=layer_order)  # every size's layers (a shallower model's: grey)
     fig = Figure(figsize=(2.4 * cols + 2.2, 0.2 * len(layers) * rows + 1.8),
                  layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)

@@ -6,8 +6,9 @@ resume, Ctrl-C, divergence and the command line. The pure state, optimizer, loss
 are in ``experiments.step``, the files a run writes in ``experiments.records``, the probe
 records and summaries in ``experiments.probes``. What a run does:
 
-* optax AdamW with a cosine or warmup-stable-decay (WSD) schedule and gradient clipping; FP32
-  master weights, BF16 compute (the model's ``dtype``); the policy quantizes every GEMM;
+* optax AdamW or Muon (``train.optimizer``, ``experiments.optimizers``) with a cosine or
+  warmup-stable-decay (WSD) schedule and gradient clipping; FP32 master weights, BF16
+  compute (the model's ``dtype``); the policy quantizes every GEMM;
 * one jitted step (state donated) with no host sync: metrics stay on the device until the next
   log step, when they are fetched together;
 * data-parallel over all devices (the batch is sharded on a ``data`` mesh axis, the state
@@ -202,7 +203,7 @@ def _build(config, data: TextData | None) -> _Setup:
     devices = jax.devices()
     _check(config, data, len(devices))
     place = _Placement.over(devices)
-    tx, sched = make_optimizer(t)
+    tx, sched = make_optimizer(t, num_heads=config.model.num_heads)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
     qmodel = quantize_model(model, policy, backend=config.precision.get("backend", "auto"))
@@ -484,6 +485,7 @@ def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict
     return {
         "name": config.name, "policy": config.precision.policy, "status": "ok",
         "steps": t.steps, "tokens": t.steps * d.batch_size * d.seq_len,
+        "params": int(sum(x.size for x in jax.tree.leaves(setup.params))),
         "final_train_loss": float(np.mean([r["loss"] for r in steps[-tail:]])),
         "val_loss": val_loss,
         "tokens_per_s": float(np.median(rates)) if rates else float("nan"),

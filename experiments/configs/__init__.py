@@ -68,6 +68,16 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
 NOT_PART_OF_THE_RUN = ("compile_cache", "sweep")
 
 
+def _added_later() -> dict:
+    """Keys added to the configs after runs were stored, with the value such a run had
+    (what it computed is what the key's default computes now): a stored config without the
+    key is no change when the new value is that one."""
+    from experiments.optimizers import MUON_DEFAULTS
+
+    return {"train.optimizer": "adamw", **{f"train.muon.{k}": v
+                                           for k, v in MUON_DEFAULTS.items()}}
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -86,6 +96,10 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple]:
 
     norm = lambda d: _flat(json.loads(json.dumps(d, sort_keys=True, default=float)))  # noqa
     a, b = norm(old), norm(new)
+    added = norm(_added_later())
+    for k, v in added.items():  # a run stored before the key existed had this value
+        if k not in a and b.get(k) == v:
+            a[k] = v
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not _outside_the_run(k)}
 

@@ -2,6 +2,8 @@
 
 import ml_collections
 
+from experiments.optimizers import MUON_DEFAULTS
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -30,7 +32,11 @@ def get_config() -> ml_collections.ConfigDict:
         decay_fraction=0.2,  # WSD: the final linear decay
         weight_decay=0.1, b1=0.9, b2=0.95, clip=1.0, mtp_weight=0.3,
         log_every=10, eval_every=0, ckpt_every=50,
-        bf16_last_fraction=0.0))  # the late precision switch: last fraction of steps in BF16
+        bf16_last_fraction=0.0,  # the late precision switch: last fraction of steps in BF16
+        optimizer="adamw",  # or "muon" (experiments/optimizers.py)
+        # Muon's own settings (ns_coeffs: a preset name or coefficients; mu_dtype: None or
+        # a dtype name)
+        muon=ml_collections.ConfigDict(MUON_DEFAULTS, type_safe=False)))
 
     # backend: "auto" (Pallas kernels on a GPU), "xla" or "pallas" (fp4lab.backend)
     c.precision = ml_collections.ConfigDict(dict(policy="nemotron3", backend="auto"))

@@ -14,6 +14,8 @@ def get_config():
         "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp8", "mxfp4", "fp8_hybrid"),
         # a count (seed, seed + 1, ...) or a list of seeds; seeded_policies: the policies that
         # run under every seed (() = all; the others run the first seed only)
-        seeds=3, seeded_policies=("bf16", "nvfp4", "nemotron3")),
+        seeds=3, seeded_policies=("bf16", "nvfp4", "nemotron3"),
+        # sizes and variants (dicts of config keys, docs/experiments.md): none here
+        sizes=(), variants=()),
         type_safe=False)  # seeds: an int or a tuple
     return c

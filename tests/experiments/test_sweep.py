@@ -92,8 +92,10 @@ def test_seeds_pair_the_gaps_and_give_t_intervals():
 def test_planned_runs_follow_sweep_seeds(tiny):
     c = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')", "sweep.seeds=3",
                                    "sweep.seeded_policies=('bf16','nvfp4')"])
-    assert sweep.planned_runs(c) == [("bf16", 0), ("nvfp4", 0), ("mxfp8", 0), ("bf16", 1),
-                                     ("nvfp4", 1), ("bf16", 2), ("nvfp4", 2)]
+    assert [(r.policy, r.seed, r.name) for r in sweep.planned_runs(c)] == [
+        ("bf16", 0, "bf16-seed0"), ("nvfp4", 0, "nvfp4-seed0"), ("mxfp8", 0, "mxfp8-seed0"),
+        ("bf16", 1, "bf16-seed1"), ("nvfp4", 1, "nvfp4-seed1"), ("bf16", 2, "bf16-seed2"),
+        ("nvfp4", 2, "nvfp4-seed2")]
     c.sweep.seeds = (7, 3)
     assert sweep.sweep_seeds(c) == [7, 3]
     for bad in (0, (1, 1), (-1,), True):
@@ -237,8 +239,19 @@ def test_config_overrides_are_typed_and_checked():
         apply_overrides(c, ["train.stepz=3"])
     with pytest.raises(ValueError, match="key=value"):
         apply_overrides(c, ["train.steps"])
-    with pytest.raises(FileNotFoundError, match="configs here: default"):
+    with pytest.raises(FileNotFoundError, match="configs here: ablations, bpe, default"):
         load_config("nope")
+
+
+def test_a_run_stored_before_a_key_existed_is_no_change_at_its_old_value():
+    from experiments.configs import config_changes
+
+    new = load_config("default").to_dict()
+    old = {**new, "train": {k: v for k, v in new["train"].items()
+                            if k not in ("optimizer", "muon")}}
+    assert config_changes(old, new) == {}  # stored before Muon: it ran AdamW
+    muon = load_config("default", ["train.optimizer=muon"]).to_dict()
+    assert config_changes(old, muon) == {"train.optimizer": (None, "muon")}
 
 
 def test_run_folders_are_safe_names_for_any_policy(tmp_path):
@@ -248,3 +261,95 @@ def test_run_folders_are_safe_names_for_any_policy(tmp_path):
     with pytest.raises(ValueError, match="duplicates"):
         sweep.run_sweep(config, tmp_path, progress=False)
     assert not (tmp_path / "runs").exists()
+
+
+def _fake_variant_train(c, workdir, **kw):
+    """Losses that depend on the policy, seed, width and late switch (no training)."""
+    from experiments.records import write_json_atomic
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    q = c.precision.policy != "bf16"
+    val = (3.0 - 0.01 * c.model.d_model + 0.003 * c.seed
+           + q * (0.05 - 0.1 * c.train.bf16_last_fraction + 0.002 * c.seed ** 2))
+    (workdir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "loss": val + 1 / (i + 1)}) + "\n" for i in range(20)))
+    result = {"policy": c.precision.policy, "status": "ok", "val_loss": val,
+              "final_train_loss": val, "tokens_per_s": 100.0, "params": 1000 * c.model.d_model}
+    write_json_atomic(workdir / "config.json", c.to_dict())
+    write_json_atomic(workdir / "result.json", result)
+    return result
+
+
+def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=3"])
+    config.sweep.sizes = ({"name": "small", "d_model": 16}, {"d_model": 32})
+    config.sweep.variants = ({"name": "base"},
+                             {"name": "late", "train.bf16_last_fraction": 0.2,
+                              "policies": ("nvfp4",)})
+    v = {x.name: x for x in sweep.sweep_variants(config)}
+    assert list(v) == ["small-base", "small-late", "d_model32-base", "d_model32-late"]
+    assert (v["small-late"].base, v["small-late"].reference) == ("small-base", "small-base")
+    assert (v["d_model32-base"].base, v["d_model32-base"].reference) == (
+        "d_model32-base", "small-base")
+    assert v["d_model32-late"].overrides == {"model.d_model": 32,
+                                             "train.bf16_last_fraction": 0.2}
+    plan = sweep.planned_runs(config)
+    assert len(plan) == 3 * (2 + 1 + 2 + 1)
+    late = next(r for r in plan if r.variant.name == "d_model32-late")
+    assert late.name == "d_model32-late/nvfp4-seed0"
+    c = sweep.run_config(config, late)
+    assert (c.model.d_model, c.train.bf16_last_fraction, c.name) == (32, 0.2, late.name)
+
+    results = sweep.run_sweep(config, tmp_path, progress=False)
+    assert (tmp_path / "runs" / "small-late" / "nvfp4-seed2" / "result.json").exists()
+    val = {(r["variant"], r["policy"], r["seed"]): r["val_loss"] for r in results}
+
+    def gaps(variant, base):  # independent: the per-seed relative gaps
+        return [100 * (val[(variant, "nvfp4", s)] - val[(base, "bf16", s)])
+                / val[(base, "bf16", s)] for s in range(3)]
+
+    header, rows = sweep.results_table(results)
+    table = {(r[0], r[1]): dict(zip(header, r)) for r in rows}
+    assert header[0] == "variant" and len(rows) == 6
+    assert table[("small-late", "nvfp4")]["val gap vs bf16 %"] == round(
+        float(np.mean(gaps("small-late", "small-base"))), 2)
+    d_header, d_rows = sweep.difference_table(results)
+    diffs = {(r[0], r[1]): dict(zip(d_header, r)) for r in d_rows}
+    assert set(diffs) == {("nvfp4", "small-late"), ("nvfp4", "d_model32-base"),
+                          ("nvfp4", "d_model32-late")}
+    for variant, ref, base, ref_base in (
+            ("small-late", "small-base", "small-base", "small-base"),
+            ("d_model32-base", "small-base", "d_model32-base", "small-base")):
+        d = np.subtract(gaps(variant, base), gaps(ref, ref_base))
+        half = 4.302652729911275 * float(np.std(d, ddof=1)) / np.sqrt(3)
+        row = diffs[("nvfp4", variant)]
+        assert row["vs variant"] == ref and row["seeds"] == 3
+        assert row["difference %"] == round(float(d.mean()), 2)
+        assert row["difference 95% CI"] == f"[{d.mean() - half:.2f}, {d.mean() + half:.2f}]"
+    assert diffs[("nvfp4", "small-late")]["difference %"] < 0  # the late switch recovers
+    md = (tmp_path / "results.md").read_text()
+    assert "Gap differences between variants" in md and "| nvfp4 | small-late | small-base |" in md
+    for f in ("differences.csv", "gap_vs_size.png", "gap_intervals.png"):
+        assert (tmp_path / f).stat().st_size > 0, f
+
+
+def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    config = load_config("sweep_tiny")
+    for variants, error in (
+            (({"train.lr": 0.1},), "needs a 'name'"),
+            (({"name": "a b", "train.lr": 0.1},), "must be a folder name"),
+            (({"name": "a"}, {"name": "a", "train.lr": 0.1}), "duplicate names"),
+            (("fast",), "must be a non-empty dict")):
+        config.sweep.variants = variants
+        with pytest.raises(ValueError, match=error):
+            sweep.run_sweep(config, tmp_path, progress=False)
+    config.sweep.variants = ({"name": "typo", "train.lrr": 0.1},)
+    with pytest.raises(KeyError, match="train.lrr"):
+        sweep.run_sweep(config, tmp_path, progress=False)
+    config.sweep.variants, config.sweep.sizes = ({"name": "w", "model.d_model": 8},), (
+        {"d_model": 16},)
+    with pytest.raises(ValueError, match=r"both set \['model.d_model'\]"):
+        sweep.run_sweep(config, tmp_path, progress=False)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

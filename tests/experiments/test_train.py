@@ -119,6 +119,16 @@ def test_named_policies_resolve():
     assert not any(r.depth for r in policies.get("nemotron3_no_tail").rules)
     assert policies.get("nvfp4_no_rht").default.name == "nvfp4_no_rht"
     assert policies.get("all:mxfp8").default.name == "mxfp8"
+    from fp4lab.policy import explain
+
+    paths = [f"blocks_{i}/mlp/up" for i in range(6)] + ["head"]
+    for name, want in (("nvfp4_bf16_first2", ["bf16"] * 2 + ["nvfp4"] * 5),
+                       ("nvfp4_bf16_last2", ["nvfp4"] * 4 + ["bf16"] * 2 + ["nvfp4"]),
+                       ("mxfp8_bf16_last1", ["mxfp8"] * 5 + ["bf16", "mxfp8"])):
+        assert [a.recipe.name for a in explain(policies.get(name), paths)] == want, name
+    for bad in ("nvfp4_bf16_last0", "nvfp5_bf16_last2"):
+        with pytest.raises(ValueError, match="unknown policy"):
+            policies.get(bad)
 
 
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny, text):
