@@ -251,7 +251,9 @@ def _llmc_layout(path: Path, size: int) -> tuple[np.dtype, int, int]:
 def _open_tokens(path: Path, token_format: str) -> tuple[np.ndarray, str]:
     """The tokens of one file (a read-only memmap) and its format (``auto`` detected)."""
     if not path.is_file():
-        raise FileNotFoundError(f"token file {str(path)!r} does not exist")
+        raise FileNotFoundError(
+            f"token file {str(path)!r} does not exist (in {str(Path.cwd())!r}, if relative); "
+            "`python -m experiments.tokenize` writes one from text")
     if token_format not in TOKEN_FORMATS:
         raise ValueError(f"data.token_format={token_format!r}: use one of {TOKEN_FORMATS}")
     size = path.stat().st_size

@@ -194,6 +194,8 @@ _NVFP4_PAPER = "NVIDIA, 'Pretraining LLMs with NVFP4' (2025) / Nemotron 3"
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _uniform("bf16", "bf16", "BF16 operands, FP32 accumulation (must equal a plain BF16 dot)"),
     _uniform("fp32", "fp32", "FP32 operands"),
+    _uniform("fp16", "fp16", "FP16 operands, FP32 accumulation (FP16 serving, as in "
+             "'Defeating the training-inference mismatch via FP16')"),
     Recipe(
         name="fp8_hybrid",
         fprop_x=_op("fp8_e4m3"), fprop_w=_op("fp8_e4m3"),

@@ -1,0 +1,228 @@
+"""Rollout precision and the train/inference mismatch: the same trained parameters and tokens
+through a BF16 "trainer" forward and "rollout" forwards in other precisions.
+
+    python -m experiments.rollout --run results/sweep/runs/bf16-seed0 [--run ...] \
+        [--out results/rollout] [--batches 4] [--sample 32]
+
+For every ``--run`` (a finished training run's folder: its config and latest checkpoint),
+the trainer is the run's model with every GEMM in BF16 (the ``bf16`` policy, as the sweep's
+BF16 runs train); a rollout model quantizes the GEMMs of one layer group in one precision
+(``fp4lab.policy`` rules, the other layers in BF16):
+
+* precisions: ``fp8_blockwise`` (DeepSeek-V3's block W8A8: 1x128 activations, 128x128
+  weights, E4M3), ``mxfp8``, ``nvfp4`` (the recipes' forward operands: 16-element activation
+  blocks, 16x16 weight tiles), and ``fp16``: the whole model in FP16 (compute dtype and every
+  GEMM), as "Defeating the training-inference mismatch via FP16" serves both engines;
+* groups: ``all``, ``linear`` (the Mamba and MLP projections), ``attention`` (qkv and out),
+  ``head`` (the output projection).
+
+Two modes, each giving :func:`fp4lab.mismatch.mismatch_metrics` per rollout model:
+
+* ``teacher``: the validation batches' own tokens scored by both models (the rollout
+  "sampled" the data);
+* ``sampled`` (``--sample N``): from the first ``seq_len - N`` tokens of each batch, the
+  rollout model samples ``N`` tokens (temperature 1, the key a function of the run's seed);
+  the rollout log-probabilities are those it sampled from, the trainer's are its forward on
+  the same tokens, and only the sampled tokens count.
+
+``mismatch.json`` (every metric per run, mode, precision and group) and ``mismatch.md``
+(per mode, precision and group: the mean over the runs of ``token_mult_prob_error``, ``kl``,
+``k3_kl``, ``chi2_token`` and ``is_ess``, with the 95 % t interval over the runs of the
+multiplicative error) are written atomically to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments.model import HybridLM
+from experiments.records import write_atomic, write_json_atomic
+from experiments.stats import mean_interval
+from fp4lab.flax import quantize_model
+from fp4lab.mismatch import mismatch_metrics
+from fp4lab.policy import PrecisionPolicy, Rule
+
+__all__ = ["GROUPS", "PRECISIONS", "load_run", "rollout_policy", "measure_run", "main"]
+
+PRECISIONS = ("fp8_blockwise", "mxfp8", "nvfp4", "fp16")
+GROUPS = {  # layer paths of experiments.model.HybridLM
+    "all": r".*",
+    "linear": r"(?:.*/)?(?:mamba|mlp)/\w+",
+    "attention": r"(?:.*/)?attention/\w+",
+    "head": r"(?:mtp_)?head",
+}
+MODES = ("teacher", "sampled")
+
+
+def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict]:
+    """A finished run's config and the parameters of its latest checkpoint."""
+    from experiments.train import _build, _Checkpoints
+
+    workdir = Path(workdir)
+    stored = workdir / "config.json"
+    if not stored.exists():
+        raise FileNotFoundError(f"{str(workdir)!r} holds no run (no config.json)")
+    config = ml_collections.ConfigDict(json.loads(stored.read_text()))
+    ckpt = _Checkpoints(workdir)
+    if ckpt.latest() is None:
+        raise FileNotFoundError(f"{str(workdir)!r} has no checkpoint to read parameters from")
+    setup = _build(config, None)
+    return config, ckpt.restore(setup.state).params
+
+
+def rollout_policy(precision: str, group: str) -> PrecisionPolicy:
+    """``precision`` for the layers of ``group``, BF16 for the rest (``fp16``: FP16 GEMMs,
+    the model's compute dtype is set by :func:`measure_run`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown rollout precision {precision!r}; known: "
+                         f"{', '.join(PRECISIONS)}")
+    if group not in GROUPS:
+        raise ValueError(f"unknown layer group {group!r}; known: {', '.join(GROUPS)}")
+    return PrecisionPolicy(rules=(Rule(name=group, recipe=precision, pattern=GROUPS[group]),),
+                           default="bf16", name=f"{precision}:{group}")
+
+
+def _log_probs(logits, targets):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _forward(cfg, precision: str, group: str):
+    """``f(params, tokens) -> float32 logits`` of the rollout (or, for ``bf16``, the trainer)
+    model of ``cfg`` (an ``experiments.model.ModelConfig``), jitted."""
+    if precision == "fp16":
+        cfg = dataclasses.replace(cfg, dtype="float16")
+    policy = "all:bf16" if precision == "bf16" else rollout_policy(precision, group)
+    model = quantize_model(HybridLM(cfg), policy)
+    key = jax.random.key(0)  # forward quantizers round to nearest: the key is unused
+
+    def f(params, tokens):
+        if precision == "fp16":
+            params = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+        return model.apply({"params": params}, tokens, rngs={"quant": key})[0].astype(
+            jnp.float32)
+
+    return jax.jit(f)
+
+
+def _sample(forward, params, tokens, n: int, key):
+    """``n`` tokens sampled after the first ``L - n`` of each row (full causal forwards:
+    later positions do not influence earlier logits); returns the tokens and the sampled
+    tokens' log-probabilities under the sampling model ``[B, n]``."""
+    length = tokens.shape[1]
+    start = length - n
+
+    def body(i, carry):
+        toks, logps = carry
+        logits = forward(params, toks)[:, start + i - 1]
+        nxt = jax.random.categorical(jax.random.fold_in(key, i), logits)
+        logp = _log_probs(logits, nxt)
+        return toks.at[:, start + i].set(nxt), logps.at[:, i].set(logp)
+
+    return jax.lax.fori_loop(0, n, body, (tokens, jnp.zeros((tokens.shape[0], n))))
+
+
+def measure_run(workdir, *, batches: int = 4, sample: int = 0,
+                precisions=PRECISIONS, groups=tuple(GROUPS)) -> list[dict]:
+    """Mismatch metrics of one run: a record per mode, precision and group."""
+    from experiments.data import load_data
+    from experiments.step import model_config
+
+    config, params = load_run(workdir)
+    d = config.data
+    if sample and not 0 < sample < d.seq_len:
+        raise ValueError(f"--sample {sample} must be in (0, data.seq_len={d.seq_len})")
+    data = load_data(d)
+    val = data.val_batches(batches, d.batch_size, d.seq_len)
+    # the model as the run trained it (the vocabulary covers the data's, experiments.train)
+    cfg = dataclasses.replace(model_config(config),
+                              vocab=max(config.model.vocab, data.vocab_size))
+    tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
+    targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
+    trainer = _forward(cfg, "bf16", "all")
+    logp_train = _log_probs(trainer(params, tokens), targets)
+    key = jax.random.key(config.seed)
+    out = []
+    for precision in precisions:
+        for group in (("all",) if precision == "fp16" else groups):
+            rollout = _forward(cfg, precision, group)
+            logp_rollout = _log_probs(rollout(params, tokens), targets)
+            records = [("teacher", mismatch_metrics(logp_train, logp_rollout))]
+            if sample:
+                toks, logp_gen = jax.jit(_sample, static_argnums=(0, 3))(
+                    rollout, params, tokens, sample, key)
+                # positions L-1-n ... L-2 predict the sampled tokens at L-n ... L-1
+                logp_tr = _log_probs(trainer(params, toks)[:, :-1], toks[:, 1:])[:, -sample:]
+                records.append(("sampled", mismatch_metrics(logp_tr, logp_gen)))
+            for mode, m in records:
+                out.append({"run": str(workdir), "seed": config.seed, "mode": mode,
+                            "precision": precision, "group": group,
+                            **{k: float(v) for k, v in m.items()}})
+    return out
+
+
+def _fmt(v: float, n: int = 4) -> str:
+    return f"{v:.{n}f}" if math.isfinite(v) else ""
+
+
+def report(records: list[dict]) -> str:
+    """The Markdown summary: per mode, precision and group, the mean over the runs."""
+    keys = []
+    for r in records:
+        k = (r["mode"], r["precision"], r["group"])
+        if k not in keys:
+            keys.append(k)
+    lines = ["| mode | rollout | group | runs | token_mult_prob_error | 95% CI | kl | k3_kl | "
+             "chi2_token | is_ess |", "|" + "---|" * 10]
+    for k in keys:
+        rs = [r for r in records if (r["mode"], r["precision"], r["group"]) == k]
+        err = mean_interval(r["token_mult_prob_error"] for r in rs)
+        ci = f"[{_fmt(err.low)}, {_fmt(err.high)}]" if math.isfinite(err.low) else ""
+        mean = {m: float(np.mean([r[m] for r in rs])) for m in ("kl", "k3_kl", "chi2_token",
+                                                                "is_ess")}
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {len(rs)} | {_fmt(err.mean)} | {ci} | "
+                     f"{mean['kl']:.2e} | {mean['k3_kl']:.2e} | {mean['chi2_token']:.2e} | "
+                     f"{_fmt(mean['is_ess'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Train/inference mismatch of rollouts in other "
+                                 "precisions than the trainer's.")
+    ap.add_argument("--run", action="append", required=True, help="a finished run's folder "
+                    "(repeat for several seeds)")
+    ap.add_argument("--out", default="results/rollout")
+    ap.add_argument("--batches", type=int, default=4, help="validation batches scored")
+    ap.add_argument("--sample", type=int, default=32, help="tokens sampled per row by the "
+                    "rollout model (0: teacher-forced only)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--groups", default=",".join(GROUPS))
+    args = ap.parse_args(argv)
+    precisions = tuple(p for p in args.precisions.split(",") if p)
+    groups = tuple(g for g in args.groups.split(",") if g)
+    for p in precisions:
+        rollout_policy(p, "all")
+    for g in groups:
+        rollout_policy("mxfp8", g)
+    records = [r for run in args.run for r in measure_run(
+        run, batches=args.batches, sample=args.sample, precisions=precisions, groups=groups)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "mismatch.json", records)
+    md = report(records)
+    write_atomic(out / "mismatch.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""experiments.rollout: the mismatch of rollout precisions against the BF16 trainer, on a
+trained tiny run; sampling; bad settings."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import rollout
+from experiments.train import train
+
+
+@pytest.mark.slow
+def test_rollout_mismatch_of_a_trained_run(tiny, corpus_dir, tmp_path):
+    tiny.data.paths = (str(corpus_dir),)
+    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
+    train(tiny, tmp_path / "run", progress=False)
+    records = rollout.measure_run(tmp_path / "run", batches=1, sample=4,
+                                  precisions=("nvfp4", "fp16"), groups=("all", "head"))
+    got = {(r["mode"], r["precision"], r["group"]): r for r in records}
+    assert set(got) == {(m, p, g) for m in rollout.MODES for p, g in (
+        ("nvfp4", "all"), ("nvfp4", "head"), ("fp16", "all"))}
+    err = {k: v["token_mult_prob_error"] for k, v in got.items()}
+    for mode in rollout.MODES:  # FP16 serving is far closer to the BF16 trainer than NVFP4
+        assert 1.0 < err[(mode, "fp16", "all")] < err[(mode, "nvfp4", "head")] \
+            < err[(mode, "nvfp4", "all")]
+    assert all(v["seed"] == tiny.seed for v in records)
+    md = rollout.report(records)
+    assert "| teacher | nvfp4 | head | 1 |" in md
+    assert json.loads(json.dumps(records)) == records
+    with pytest.raises(ValueError, match="--sample 32"):
+        rollout.measure_run(tmp_path / "run", sample=tiny.data.seq_len)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        rollout.load_run(tmp_path)
+
+
+def test_sampling_keeps_the_prompt_and_returns_the_sampled_log_probs():
+    vocab, length, n = 5, 6, 3
+    table = jax.random.normal(jax.random.key(1), (vocab, vocab))
+
+    def forward(params, tokens):  # a causal toy model: the logits depend on the last token
+        return params[tokens]
+
+    tokens = jnp.array([[1, 2, 3, 0, 0, 0], [4, 4, 1, 0, 0, 0]])
+    out, logp = rollout._sample(jax.jit(forward), table, tokens, n, jax.random.key(0))
+    np.testing.assert_array_equal(out[:, :length - n], tokens[:, :length - n])
+    want = jax.nn.log_softmax(table[out[:, length - n - 1:-1]], axis=-1)
+    np.testing.assert_allclose(logp, np.take_along_axis(
+        np.asarray(want), np.asarray(out[:, length - n:])[..., None], -1)[..., 0], rtol=1e-6)
+
+
+def test_unknown_rollout_settings_are_named():
+    with pytest.raises(ValueError, match="unknown rollout precision 'int3'"):
+        rollout.rollout_policy("int3", "all")
+    with pytest.raises(ValueError, match="unknown layer group 'mlp'"):
+        rollout.rollout_policy("nvfp4", "mlp")
