@@ -56,7 +56,8 @@ from experiments.records import read_jsonl, write_atomic, write_json_atomic
 from experiments.stats import gap_difference, paired_gap
 from experiments.train import train
 
-__all__ = ["run_sweep", "results_table", "write_reports", "main"]
+__all__ = ["run_sweep", "collect_results", "planned_runs", "sweep_variants", "results_table",
+           "difference_table", "comparison_table", "write_reports", "main"]
 
 
 def sweep_seeds(config) -> list[int]:
@@ -249,6 +250,11 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     to one shard), and no reports: :func:`collect_results` and :func:`write_reports` merge
     what exists (``--report``)."""
     runs = planned_runs(config)
+    named = {r.policy for r in runs}
+    for pair in config.sweep.get("compare", ()):
+        if len(pair) != 2 or not set(pair) <= named:
+            raise ValueError(f"sweep.compare entry {pair!r} must be a pair of policies the "
+                             f"sweep runs ({', '.join(sorted(named))})")
     for run in {r.variant.name: r for r in runs}.values():
         run_config(config, run)  # a variant's unknown key fails now, not after hours
     out = Path(out)
@@ -261,7 +267,7 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
         runs = [r for k, r in enumerate(runs) if k % shard[1] == shard[0]]
     results = [_run_one(config, r, runs_dir, retry_failed, progress) for r in runs]
     if shard is None:
-        write_reports(results, out)
+        write_reports(results, out, config.sweep.get("compare", ()))
     return results
 
 
@@ -402,15 +408,41 @@ def difference_table(results: list[dict], baseline: str = "bf16") -> tuple[list[
     return header, rows
 
 
+def comparison_table(results: list[dict], pairs) -> tuple[list[str], list[list]]:
+    """``sweep.compare``: for each ``(a, b)`` pair of policies and each variant that ran
+    both, the final validation loss of ``a`` relative to ``b`` in %, paired by seed, with its
+    95 % interval (``a`` better than ``b``: negative)."""
+    groups = _groups(results)
+    header = ["policy", "vs policy", "variant", "difference %", "difference 95% CI",
+              "difference != 0", "seeds"]
+    rows = []
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"sweep.compare entry {pair!r} must be a pair of policies")
+        a, b = pair
+        for variant in dict.fromkeys(v for v, _ in groups):
+            if (variant, a) not in groups or (variant, b) not in groups:
+                continue
+            g = paired_gap(_val_by_seed(groups[(variant, a)]),
+                           _val_by_seed(groups[(variant, b)]))
+            if not g.n:
+                continue
+            ci = f"[{g.low:.2f}, {g.high:.2f}]" if math.isfinite(g.low) else ""
+            rows.append([a, b, variant, _fmt(g.mean, 2), ci,
+                         {True: "yes", False: "no", None: ""}[g.distinguishable], g.n])
+    return header, rows
+
+
 def _markdown(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
-def write_reports(results: list[dict], out: Path) -> str:
+def write_reports(results: list[dict], out: Path, compare=()) -> str:
     """Write results.csv/.md (and, with variants, differences.csv and the difference table
-    in results.md) and the plots; return the Markdown."""
+    in results.md; with ``compare``, ``sweep.compare``'s pairs of policies, the comparison
+    table) and the plots; return the Markdown."""
     out = Path(out)
     header, rows = results_table(results)
     buf = io.StringIO()
@@ -424,6 +456,10 @@ def write_reports(results: list[dict], out: Path) -> str:
         write_atomic(out / "differences.csv", buf.getvalue())
         md += ("\nGap differences between variants (each gap against its own variant's "
                "baseline, paired by seed):\n\n" + _markdown(d_header, d_rows))
+    c_header, c_rows = comparison_table(results, compare)
+    if c_rows:
+        md += ("\nPaired comparisons between policies (relative difference of the final "
+               "validation loss, paired by seed):\n\n" + _markdown(c_header, c_rows))
     write_atomic(out / "results.md", md)
     ok = _ok(results)
     if ok:
@@ -711,7 +747,7 @@ def main(argv=None):
         print(f"shard {args.shard[0]}/{args.shard[1]}: {len(results)} runs done; merge with "
               f"--report when every shard has finished")
         return 0 if all(r["status"] == "ok" for r in results) else 1
-    print(write_reports(results, Path(args.out)))
+    print(write_reports(results, Path(args.out), config.sweep.get("compare", ())))
     print(f"wrote {args.out}/results.csv, results.md, loss_curves.png, loss_gap_curves.png, "
           "gap_intervals.png, underflow_heatmap.png, sqnr_heatmap.png")
     return 0 if all(r["status"] == "ok" for r in results) else 1

@@ -17,6 +17,9 @@ def get_config():
     c.sweep = ml_collections.ConfigDict(dict(
         policies=("bf16", "nvfp4", "nvfp4_bf16_first2", "nvfp4_bf16_last2", "nvfp4_paper"),
         seeds=3, seeded_policies=(), sizes=(),
+        # paired by seed: which blocks in BF16 help more, and the paper's assignment
+        compare=(("nvfp4_bf16_last2", "nvfp4_bf16_first2"), ("nvfp4_bf16_first2", "nvfp4"),
+                 ("nvfp4_bf16_last2", "nvfp4"), ("nvfp4_paper", "nvfp4")),
         variants=({"name": "base"},
                   {"name": "late10", "train.bf16_last_fraction": 0.1, "policies": ("nvfp4",)},
                   {"name": "late20", "train.bf16_last_fraction": 0.2, "policies": ("nvfp4",)})),

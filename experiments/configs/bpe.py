@@ -17,5 +17,6 @@ def get_config():
     c.data.tokens = "results/tokens/stdlib-bpe4096/train.bin"
     c.sweep = ml_collections.ConfigDict(dict(
         policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), sizes=(),
+        compare=(),
         variants=()), type_safe=False)
     return c

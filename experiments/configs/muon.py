@@ -16,6 +16,7 @@ def get_config():
     c = _default()
     c.sweep = ml_collections.ConfigDict(dict(
         policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), sizes=(),
+        compare=(),
         variants=({"name": "adamw", "train.optimizer": "adamw"},
                   {"name": "muon", "train.optimizer": "muon"})),
         type_safe=False)

@@ -14,6 +14,7 @@ def get_config():
     c = _default()
     c.sweep = ml_collections.ConfigDict(dict(
         policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), variants=(),
+        compare=(),
         sizes=({"name": "d32", "d_model": 32}, {"name": "d64", "d_model": 64},
                {"name": "d128", "d_model": 128})),
         type_safe=False)

@@ -16,6 +16,6 @@ def get_config():
         # run under every seed (() = all; the others run the first seed only)
         seeds=3, seeded_policies=("bf16", "nvfp4", "nemotron3"),
         # sizes and variants (dicts of config keys, docs/experiments.md): none here
-        sizes=(), variants=()),
+        sizes=(), variants=(), compare=()),
         type_safe=False)  # seeds: an int or a tuple
     return c

@@ -10,6 +10,7 @@ def get_config():
     # seeds: a count (seed, seed + 1, ...) or a list; seeded_policies: the policies that run
     # under every seed (() = all; the others run the first seed only)
     c.sweep = ml_collections.ConfigDict(dict(policies=("bf16", "nvfp4"), seeds=1,
-                                             seeded_policies=(), sizes=(), variants=()),
+                                             seeded_policies=(), sizes=(), variants=(),
+                                             compare=()),
                                         type_safe=False)  # seeds: an int or a tuple
     return c

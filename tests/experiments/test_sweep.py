@@ -332,6 +332,14 @@ def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
     assert "Gap differences between variants" in md and "| nvfp4 | small-late | small-base |" in md
     for f in ("differences.csv", "gap_vs_size.png", "gap_intervals.png"):
         assert (tmp_path / f).stat().st_size > 0, f
+    # sweep.compare: one policy against another, per variant that ran both, paired by seed
+    c_header, c_rows = sweep.comparison_table(results, [("nvfp4", "bf16")])
+    assert [r[2] for r in c_rows] == ["small-base", "d_model32-base"]
+    row = dict(zip(c_header, c_rows[0]))
+    assert row["difference %"] == round(float(np.mean(gaps("small-base", "small-base"))), 2)
+    config.sweep.compare = (("nvfp4", "mxfp8"),)
+    with pytest.raises(ValueError, match="sweep.compare entry"):
+        sweep.run_sweep(config, tmp_path, progress=False)
 
 
 def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
