@@ -62,6 +62,12 @@ class ModelConfig:
     conv_width: int = 4
     mtp: bool = False  # a multi-token-prediction head (predicts token t + 2)
     dtype: str = "bfloat16"
+    # attention's softmax and P.V: "einsum" (FP32, as written here) or "flash"
+    # (fp4lab.attention.flash_attention: key blocks of 64, the P.V rounding points
+    # attention_accumulate, the output saved for the backward pass in attention_saved)
+    attention: str = "einsum"
+    attention_accumulate: str = "fp32"  # fp32 | bf16_p | bf16 (flash only)
+    attention_saved: str = "float32"  # the saved output's dtype (flash only)
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -75,6 +81,9 @@ class ModelConfig:
             raise ValueError(f"ssm_expand * d_model = {self.ssm_expand * self.d_model} is not "
                              f"divisible by ssm_head_dim={self.ssm_head_dim}")
         jnp.dtype(self.dtype)  # raises for an unknown dtype name
+        jnp.dtype(self.attention_saved)
+        if self.attention not in ("einsum", "flash"):
+            raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +166,14 @@ class Attention(nn.Module):
             batch, length, 3, cfg.num_heads, hd)
         q_BxLxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxLx3xHxK[:, :, i].astype(jnp.float32)
                                            for i in range(3))
+        if cfg.attention == "flash":
+            from fp4lab.attention import flash_attention
+
+            heads = [x.transpose(0, 2, 1, 3) for x in (q_BxLxHxK, k_BxTxHxK, v_BxTxHxK)]
+            o_BxHxLxK = flash_attention(*heads, causal=True, accumulate=cfg.attention_accumulate,
+                                        saved_dtype=cfg.attention_saved)
+            o_BxLxD = o_BxHxLxK.transpose(0, 2, 1, 3).reshape(batch, length, d).astype(dtype)
+            return _dense(d, "out", dtype)(o_BxLxD)
         scores_BxHxLxT = (jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxK, k_BxTxHxK)
                           / jnp.sqrt(hd).astype(jnp.float32))
         causal_LxT = jnp.tril(jnp.ones((length, length), bool))

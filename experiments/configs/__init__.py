@@ -75,7 +75,9 @@ def _added_later() -> dict:
     from experiments.optimizers import MUON_DEFAULTS
 
     return {"train.optimizer": "adamw", **{f"train.muon.{k}": v
-                                           for k, v in MUON_DEFAULTS.items()}}
+                                           for k, v in MUON_DEFAULTS.items()},
+            "model.attention": "einsum", "model.attention_accumulate": "fp32",
+            "model.attention_saved": "float32"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -40,6 +40,23 @@ def test_a_later_token_never_changes_an_earlier_output(model_and_params):
         assert not np.array_equal(np.asarray(out[:, t]), np.asarray(base[:, t]))
 
 
+def test_flash_attention_in_the_model_equals_the_einsum_attention(model_and_params):
+    import dataclasses
+
+    model, params, tokens = model_and_params
+    base, _ = model.apply(params, tokens)
+    flash = HybridLM(dataclasses.replace(CFG, attention="flash"))
+    out, _ = flash.apply(params, tokens)  # the same parameters
+    np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=0, atol=0.05)
+    assert float(jnp.mean(jnp.abs(out - base))) < 2e-3  # BF16 compute: the last bits differ
+    biased = HybridLM(dataclasses.replace(CFG, attention="flash", attention_accumulate="bf16",
+                                          attention_saved="bfloat16"))
+    g = jax.grad(lambda p: jnp.sum(biased.apply(p, tokens)[0]))(params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(g))
+    with pytest.raises(ValueError, match="attention='fused'"):
+        ModelConfig(attention="fused")
+
+
 def test_selective_scan_matches_a_sequential_loop():
     # the associative scan equals the recurrence h_t = a_t h_{t-1} + b_t step by step
     from experiments.model import _ssm_combine
