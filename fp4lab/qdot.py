@@ -77,6 +77,9 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     if op.format.is_passthrough:
+        if op.rounding == "stochastic":  # SR onto the BF16/FP16 grid
+            return fake_quant_operand(x.astype(jnp.float32), op.format, rounding="stochastic",
+                                      key=key).astype(op.format.element.storage)
         return x.astype(op.format.element.storage)
     axis = -1 if op.tile else axis % x.ndim - x.ndim
     # in a GEMM, "pallas" means kernels where they exist: an operand without one falls back

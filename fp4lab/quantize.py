@@ -188,9 +188,9 @@ def _validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, globa
         if key is None:
             raise ValueError("rounding='stochastic' needs an explicit PRNG key: key=...")
         check_key(key)
-        if fmt.is_passthrough:
+        if fmt.is_passthrough and fmt.element.name not in ("bf16", "fp16"):
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
-                             f"{fmt.name}")
+                             f"{fmt.name} (only bf16 and fp16)")
     if global_amax is not None and not (fmt.has_global_scale or fmt.granularity == "tensor"):
         raise ValueError(f"global_amax given, but format {fmt.name} has no per-tensor scale")
     return x, fmt, g, ax
@@ -246,11 +246,20 @@ def _dequantize_blocks(q, scale, tensor_amax, fmt: Format) -> jax.Array:
     return y
 
 
+def _cast(x, fmt: Format, rounding, key):
+    """A pass-through format's values in its storage dtype: a cast, or stochastic rounding
+    onto its grid (BF16, FP16)."""
+    if rounding == "stochastic":
+        return rnd.stochastic_cast(x.astype(jnp.float32), fmt.element, key).astype(
+            fmt.element.storage)
+    return x.astype(fmt.element.storage)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "g", "ax", "rounding"))
 def _quantize(x, key, global_amax, *, fmt: Format, g: _Geometry, ax: int, rounding) -> QArray:
     tile = g.block if len(g.axes) == 2 and fmt.granularity == "block" else None
     if fmt.is_passthrough:
-        return QArray(x.astype(fmt.element.storage), None, None, fmt, ax, None, g.shape)
+        return QArray(_cast(x, fmt, rounding, key), None, None, fmt, ax, None, g.shape)
     b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
     codes = rnd.encode(fmt.scaling.mask_codes(b.q, b.scale), fmt.element)
     # Materialize the codes once: without the barrier XLA:CPU fuses the whole quantizer into
@@ -375,7 +384,7 @@ def _fake_quant_values(x, key, global_amax, how: _FakeQuant):
         y = how.dequantizer.fn(q, x.dtype) if how.dequantizer else _dequantize(q, x.dtype)
         return (jnp.moveaxis(y, -1, how.axis) if moved else y), None
     if fmt.is_passthrough:
-        return x.astype(fmt.element.storage).astype(x.dtype), None
+        return _cast(x, fmt, how.rounding, key).astype(x.dtype), None
     b = _quantize_blocks(x, fmt, how.g, how.rounding, key, global_amax)
     y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), how.g)
     inside = _from_blocks(jnp.abs(b.v) <= fmt.element.max, how.g) if how.mask_saturated \

@@ -140,6 +140,28 @@ def round_stochastic(v: jax.Array, fmt: ElementFormat, u: jax.Array) -> jax.Arra
     return jnp.copysign((lo + up) * ulp, v)
 
 
+def stochastic_cast(v: jax.Array, fmt: ElementFormat, key: jax.Array) -> jax.Array:
+    """Stochastically round float32 ``v`` to the BF16 or FP16 grid (as float32 values),
+    saturating at the format's max; NaN stays NaN, infinities stay infinite.
+
+    BF16 keeps float32's exponent range, so rounding is on the bits: a uniform 16-bit integer
+    added to the 16 bits BF16 drops, then truncation (a carry moves to the next binade
+    exactly; float32 subnormals are on the same linear grid). FP16 goes through
+    :func:`round_stochastic` (its subnormal spacing 2^-24 is in float32's normal range). In
+    both, ``P(round up) = (|v| - lo) / (hi - lo)`` for the neighbours ``lo <= |v| < hi``."""
+    v = v.astype(jnp.float32)
+    if fmt.name == "fp16":
+        y = round_stochastic(v, fmt, uniform(key, v.shape))
+    elif fmt.name == "bf16":
+        a = jnp.minimum(jnp.abs(v), fmt.max)
+        noise = jax.random.bits(key, v.shape, jnp.uint32) >> 16
+        up = (float_bits(a) + noise) & jnp.uint32(0xFFFF0000)
+        y = jnp.copysign(from_bits(up), v)
+    else:
+        raise ValueError(f"stochastic_cast rounds to bf16 or fp16, not {fmt.name}")
+    return jnp.where(jnp.isfinite(v), y, v)
+
+
 def uniform(key: jax.Array, shape) -> jax.Array:
     """Uniforms in [0, 1) with 24 random bits each, drawn from ``key``."""
     bits = jax.random.bits(key, shape, jnp.uint32)
