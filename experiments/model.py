@@ -47,6 +47,7 @@ from flax import linen as nn
 __all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS"]
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+SSM_STATE_FORMATS = ("", "fp32", "bf16", "fp16", "int8_block128", "fp8_block128")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,11 @@ class ModelConfig:
     attention: str = "einsum"
     attention_accumulate: str = "fp32"  # fp32 | bf16_p | bf16 (flash only)
     attention_saved: str = "float32"  # the saved output's dtype (flash only)
+    # the Mamba-2 state: "" (the parallel scan, FP32), or a recurrent scan storing the state
+    # after every step in ssm_state_format (fp32, bf16, fp16, int8_block128, fp8_block128)
+    # with ssm_state_rounding (nearest, or stochastic: the "ssm_state" rng, per step and layer)
+    ssm_state_format: str = ""
+    ssm_state_rounding: str = "nearest"
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -84,6 +90,14 @@ class ModelConfig:
         jnp.dtype(self.attention_saved)
         if self.attention not in ("einsum", "flash"):
             raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
+        if self.ssm_state_format not in SSM_STATE_FORMATS:
+            raise ValueError(f"ssm_state_format={self.ssm_state_format!r}: use one of "
+                             f"{SSM_STATE_FORMATS}")
+        if self.ssm_state_rounding not in ("nearest", "stochastic") or (
+                self.ssm_state_rounding == "stochastic" and self.ssm_state_format == "fp32"):
+            raise ValueError(f"ssm_state_rounding={self.ssm_state_rounding!r} for "
+                             f"ssm_state_format={self.ssm_state_format!r}: nearest, or "
+                             "stochastic for a format below FP32")
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +114,35 @@ class RMSNorm(nn.Module):
 def _dense(features, name, dtype, zero=False):
     init = nn.initializers.zeros if zero else nn.initializers.lecun_normal()
     return nn.Dense(features, use_bias=False, dtype=dtype, kernel_init=init, name=name)
+
+
+def _store_state(h_BxHxPxN, fmt: str, rounding: str, key):
+    """The SSM state as stored between steps: in ``fmt`` (block formats: blocks along the
+    flattened P x N state of each head), rounded to nearest or stochastically with ``key``."""
+    from fp4lab import fake_quant
+
+    if fmt == "fp32":
+        return h_BxHxPxN
+    shape = h_BxHxPxN.shape
+    flat = h_BxHxPxN.reshape(shape[:2] + (-1,))
+    kw = dict(rounding=rounding, key=key) if rounding == "stochastic" else {}
+    return fake_quant(flat, fmt, axis=-1, **kw).reshape(shape)
+
+
+def _recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, fmt: str, rounding: str, key):
+    """``h_t = store(a_t h_{t-1} + b_t)`` one step at a time (a decode path's arithmetic); the
+    key of step ``t`` is ``fold_in(key, t)``."""
+    def step(h, xs):
+        t, a, b = xs
+        h = _store_state(a * h + b, fmt, rounding,
+                         None if key is None else jax.random.fold_in(key, t))
+        return h, h
+
+    length = inp_BxLxHxPxN.shape[1]
+    h0 = jnp.zeros(inp_BxLxHxPxN[:, 0].shape, jnp.float32)
+    _, hs = jax.lax.scan(step, h0, (jnp.arange(length), decay_BxLxHxPxN.swapaxes(0, 1),
+                                    inp_BxLxHxPxN.swapaxes(0, 1)))
+    return hs.swapaxes(0, 1)
 
 
 def _ssm_combine(left, right):
@@ -144,8 +187,14 @@ class Mamba2(nn.Module):
         inp_BxLxHxPxN = ((x_BxLxHxP * delta_BxLxH[..., None])[..., None]
                          * ssm_b_BxLxN[:, :, None, None, :])
         decay_BxLxHxPxN = jnp.broadcast_to(decay_BxLxHx1x1, inp_BxLxHxPxN.shape)
-        _, h_BxLxHxPxN = jax.lax.associative_scan(_ssm_combine,
-                                                  (decay_BxLxHxPxN, inp_BxLxHxPxN), axis=1)
+        if cfg.ssm_state_format:
+            key = (self.make_rng("ssm_state") if cfg.ssm_state_rounding == "stochastic"
+                   else None)
+            h_BxLxHxPxN = _recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, cfg.ssm_state_format,
+                                          cfg.ssm_state_rounding, key)
+        else:
+            _, h_BxLxHxPxN = jax.lax.associative_scan(
+                _ssm_combine, (decay_BxLxHxPxN, inp_BxLxHxPxN), axis=1)
         y_BxLxHxP = (jnp.einsum("blhpn,bln->blhp", h_BxLxHxPxN, ssm_c_BxLxN)
                      + x_BxLxHxP * skip_H[:, None])
         y_BxLxE = (y_BxLxHxP.reshape(batch, length, inner)

@@ -218,6 +218,8 @@ FORMATS: dict[str, Format] = {
                "DeepSeek-V3 fine-grained FP8 (1x128; tile=(128, 128) for weights)"),
         Format(name="int8", element=INT8, scaling=scaling.AbsMaxScale(), granularity="channel",
                follows="symmetric per-channel INT8"),
+        _block("int8_block128", INT8, scaling.AbsMaxScale(), 128,
+               "symmetric INT8, one float32 scale per 128 (Nemotron 3 Ultra's SSM-state cache)"),
         Format(name="int4", element=INT4, scaling=scaling.AbsMaxScale(), granularity="channel",
                follows="symmetric per-channel INT4"),
         _block("int4_q4_0", INT4, scaling.GGMLQ4_0Scale(), 32, "GGML Q4_0 arithmetic"),

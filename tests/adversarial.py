@@ -283,6 +283,8 @@ def cases(fmt: str) -> list[Case]:
         return absmax_blocks("e4m3", 128) + absmax_blocks("e4m3", 128, tile=(128, 128))
     if fmt in ("int8", "int4"):
         return absmax_blocks(fmt, 64, qmax={"int8": 127, "int4": 7}[fmt])
+    if fmt == "int8_block128":
+        return absmax_blocks("int8", 128, qmax=127)
     if fmt == "int4_q4_0":
         return q4_0()
     if fmt == "int8_q8_0":
@@ -291,8 +293,8 @@ def cases(fmt: str) -> list[Case]:
 
 
 FORMATS = ("nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp4", "mxfp8_floor", "mxfp8_e5m2_floor",
-           "mxfp4_floor", "fp8_e4m3", "fp8_e5m2", "fp8_block128", "int8", "int4", "int4_q4_0",
-           "int8_q8_0")
+           "mxfp4_floor", "fp8_e4m3", "fp8_e5m2", "fp8_block128", "int8", "int8_block128", "int4",
+           "int4_q4_0", "int8_q8_0")
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -330,6 +332,10 @@ def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
         q, inv = ref.int_quantize(x, {"int8": 8, "int4": 4}[fmt], ftz=ftz)
         return {"codes": q, "scale": inv.view(np.uint32),
                 "values": ref.int_dequantize(q, inv, ftz=ftz)}
+    if fmt == "int8_block128":
+        q, inv = ref.int_quantize(x, 8, axis_block=128, ftz=ftz)
+        return {"codes": q, "scale": inv.view(np.uint32),
+                "values": ref.int_dequantize(q, inv, axis_block=128, ftz=ftz)}
     if fmt in ("int4_q4_0", "int8_q8_0"):
         quant, dequant = {"int4_q4_0": (ref.q4_0_quantize, ref.q4_0_dequantize),
                           "int8_q8_0": (ref.q8_0_quantize, ref.q8_0_dequantize)}[fmt]

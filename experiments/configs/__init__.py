@@ -77,7 +77,8 @@ def _added_later() -> dict:
     return {"train.optimizer": "adamw", **{f"train.muon.{k}": v
                                            for k, v in MUON_DEFAULTS.items()},
             "model.attention": "einsum", "model.attention_accumulate": "fp32",
-            "model.attention_saved": "float32"}
+            "model.attention_saved": "float32", "model.ssm_state_format": "",
+            "model.ssm_state_rounding": "nearest"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -16,7 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
         d_model=64, vocab=256, num_heads=4, mlp_mult=4, ssm_expand=2, ssm_head_dim=16,
         ssm_state=16, conv_width=4, mtp=False, dtype="bfloat16",
         # "einsum", or "flash" (fp4lab.attention) with its P.V rounding and saved output
-        attention="einsum", attention_accumulate="fp32", attention_saved="float32"))
+        attention="einsum", attention_accumulate="fp32", attention_saved="float32",
+        # the Mamba-2 state: "" (parallel scan) or a stored format (experiments/model.py)
+        ssm_state_format="", ssm_state_rounding="nearest"))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources

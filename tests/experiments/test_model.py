@@ -57,6 +57,39 @@ def test_flash_attention_in_the_model_equals_the_einsum_attention(model_and_para
         ModelConfig(attention="fused")
 
 
+def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
+    import dataclasses
+
+    from experiments.model import _recurrent_scan, _ssm_combine
+
+    rng = np.random.default_rng(0)
+    decay = jnp.asarray(rng.uniform(0.5, 1.0, (2, 40, 3, 4, 8)), jnp.float32)
+    inp = jnp.asarray(rng.standard_normal((2, 40, 3, 4, 8)), jnp.float32)
+    _, par = jax.lax.associative_scan(_ssm_combine, (decay, inp), axis=1)
+    rec = _recurrent_scan(decay, inp, "fp32", "nearest", None)
+    np.testing.assert_allclose(np.asarray(rec), np.asarray(par), rtol=2e-5, atol=2e-6)
+    bf = _recurrent_scan(decay, inp, "bf16", "nearest", None)
+    assert np.array_equal(np.asarray(bf), np.asarray(bf.astype(jnp.bfloat16).astype(
+        jnp.float32)))  # stored in BF16 after every step
+    sr = [_recurrent_scan(decay, inp, "bf16", "stochastic", jax.random.key(k)) for k in (0, 1)]
+    assert not np.array_equal(np.asarray(sr[0]), np.asarray(sr[1]))
+    i8 = _recurrent_scan(decay, inp, "int8_block128", "nearest", None)
+    assert float(jnp.max(jnp.abs(i8 - par))) > 0
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    model = HybridLM(CFG)
+    params = model.init(jax.random.key(1), tokens)
+    state = HybridLM(dataclasses.replace(CFG, ssm_state_format="fp8_block128",
+                                         ssm_state_rounding="stochastic"))
+    a = state.apply(params, tokens, rngs={"ssm_state": jax.random.key(3)})[0]
+    b = state.apply(params, tokens, rngs={"ssm_state": jax.random.key(4)})[0]
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+    for bad, match in (({"ssm_state_format": "int3"}, "ssm_state_format='int3'"),
+                       ({"ssm_state_format": "fp32", "ssm_state_rounding": "stochastic"},
+                        "below FP32")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**bad)
+
+
 def test_selective_scan_matches_a_sequential_loop():
     # the associative scan equals the recurrence h_t = a_t h_{t-1} + b_t step by step
     from experiments.model import _ssm_combine

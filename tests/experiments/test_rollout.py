@@ -56,3 +56,22 @@ def test_unknown_rollout_settings_are_named():
         rollout.rollout_policy("int3", "all")
     with pytest.raises(ValueError, match="unknown layer group 'mlp'"):
         rollout.rollout_policy("nvfp4", "mlp")
+
+
+@pytest.mark.slow
+def test_ssm_state_precision_of_a_trained_run(tiny, corpus_dir, tmp_path):
+    from experiments import ssm_state
+
+    tiny.data.paths = (str(corpus_dir),)
+    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
+    train(tiny, tmp_path / "run", progress=False)
+    records = ssm_state.measure_run(tmp_path / "run", batches=1, sample=6, variants=(
+        ("bf16", "nearest"), ("fp8_block128", "stochastic")))
+    assert [(r["format"], r["rounding"]) for r in records] == [
+        ("bf16", "nearest"), ("fp8_block128", "stochastic")]
+    for r in records:
+        assert r["kl"] > 0 and len(r["kl_by_quarter"]) == 4
+        assert r["fp32_recurrent_vs_parallel_max_abs_logit"] < 0.1  # BF16 logits of one scan
+        assert 0 <= r["line_length"] <= 6
+    assert records[1]["kl"] > records[0]["kl"]  # FP8 state errs more than BF16
+    assert "| fp8_block128 | stochastic | 1 |" in ssm_state.report(records)
