@@ -192,7 +192,8 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tiny, corpus_d
         return real_batch(self, seed, step, batch_size, seq_len)
 
     monkeypatch.setattr(data_module.TextData, "batch", batch)
-    args = ["--config", "tiny", "--workdir", str(tmp_path / "run"), f"data.paths=('{corpus_dir}',)",
+    args = ["--config", "tiny", "--workdir", str(tmp_path / "run"),
+            f"data.paths=('{corpus_dir}',)",
             f"compile_cache={tiny.compile_cache}", "probes.every=0", "train.ckpt_every=0"]
     assert main(args) == 130
     err = capsys.readouterr().err
