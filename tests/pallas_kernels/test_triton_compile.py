@@ -1,8 +1,8 @@
 """Every kernel compiles to an H200 (sm_90a) binary, without a GPU.
 
 The Triton modules JAX lowers for an abstract H200 are compiled by upstream Triton (the pip
-``triton`` package, pinned in the ``compile-check`` extra) through its whole pipeline, TTIR -> TTGIR
--> LLVM IR -> PTX -> cubin, the last step by the ``ptxas`` Triton ships. On a GPU, XLA runs
+``triton`` package, pinned in the ``compile-check`` extra) through its whole pipeline, TTIR ->
+TTGIR -> LLVM IR -> PTX -> cubin, the last step by the ``ptxas`` Triton ships. On a GPU, XLA runs
 its own build of the same Triton pipeline, so this is a proxy for what the GPU compiles, and a
 kernel that stops compiling, spills registers or gains an approximate division fails CI.
 
