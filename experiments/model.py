@@ -48,6 +48,49 @@ __all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS"]
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 SSM_STATE_FORMATS = ("", "fp32", "bf16", "fp16", "int8_block128", "fp8_block128")
+RESIDUAL_FORMATS = ("", "e4m3", "e4m3_token")
+
+
+def residual_probes(model, params, tokens_BxL) -> dict[str, dict[str, float]]:
+    """Per block, what storing the residual stream in ``model.cfg.residual_format`` does to it:
+    ``saturation`` (the share of elements beyond E4M3's 448 before rounding, after the
+    per-token scale for ``e4m3_token``), ``underflow`` (nonzero values stored as 0), the
+    relative MSE and SQNR (``fp4lab.metrics.error_metrics``), and the stream's abs-max."""
+    from fp4lab.metrics import error_metrics
+
+    fmt = model.cfg.residual_format
+    if not fmt:
+        raise ValueError("model.residual_format is '': the residual stream is not stored "
+                         "in a low precision")
+    _, seen = model.apply(params, tokens_BxL, mutable=["residual"])
+    out = {}
+    for sown, (x,) in sorted(seen["residual"].items(), key=lambda kv: int(kv[0].split("_")[-1])):
+        name = sown.removeprefix("after_")
+        x = x.astype(jnp.float32)
+        y = store_residual(x, fmt)
+        scaled = x * (448.0 / jnp.max(jnp.abs(x), axis=-1, keepdims=True)) \
+            if fmt == "e4m3_token" else x
+        m = error_metrics(x, y)
+        out[name] = {"saturation": float(jnp.mean(jnp.abs(scaled) > 448.0)),
+                     "underflow": float(m["underflow"]), "rel_mse": float(m["rel_mse"]),
+                     "sqnr_db": float(m["sqnr_db"]), "amax": float(jnp.max(jnp.abs(x)))}
+    return out
+
+
+def store_residual(x_BxLxD, fmt: str):
+    """The residual stream as stored between blocks, with a straight-through gradient:
+    ``e4m3`` rounds onto the E4M3 grid (saturating at 448, no scale), ``e4m3_token`` scales
+    each token by its abs-max first (fp4lab's ``fp8_e4m3_row``)."""
+    from fp4lab import fake_quant
+    from fp4lab.formats import E4M3
+    from fp4lab.rounding import round_nearest
+
+    if not fmt:
+        return x_BxLxD
+    if fmt == "e4m3_token":
+        return fake_quant(x_BxLxD, "fp8_e4m3_row", axis=-1)
+    q = round_nearest(x_BxLxD, E4M3).astype(x_BxLxD.dtype)
+    return x_BxLxD + jax.lax.stop_gradient(q - x_BxLxD)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +117,11 @@ class ModelConfig:
     # with ssm_state_rounding (nearest, or stochastic: the "ssm_state" rng, per step and layer)
     ssm_state_format: str = ""
     ssm_state_rounding: str = "nearest"
+    # the residual stream between blocks: "" (FP32), "e4m3" (unscaled, saturating) or
+    # "e4m3_token" (one abs-max scale per token), straight-through in training; and gated
+    # residual writes x + sigmoid(g) * mixer(norm(x)) (g per channel, from 0)
+    residual_format: str = ""
+    residual_gate: bool = False
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -90,6 +138,9 @@ class ModelConfig:
         jnp.dtype(self.attention_saved)
         if self.attention not in ("einsum", "flash"):
             raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
+        if self.residual_format not in RESIDUAL_FORMATS:
+            raise ValueError(f"residual_format={self.residual_format!r}: use one of "
+                             f"{RESIDUAL_FORMATS}")
         if self.ssm_state_format not in SSM_STATE_FORMATS:
             raise ValueError(f"ssm_state_format={self.ssm_state_format!r}: use one of "
                              f"{SSM_STATE_FORMATS}")
@@ -252,7 +303,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD):
         h_BxLxD = _MIXERS[self.kind](self.cfg, name=self.kind)(RMSNorm(name="norm")(x_BxLxD))
-        return x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype)
+        h_BxLxD = h_BxLxD.astype(x_BxLxD.dtype)
+        if self.cfg.residual_gate:
+            gate_D = self.param("residual_gate", nn.initializers.zeros, (x_BxLxD.shape[-1],))
+            h_BxLxD = h_BxLxD * jax.nn.sigmoid(gate_D)
+        return x_BxLxD + h_BxLxD
 
 
 class HybridLM(nn.Module):
@@ -270,6 +325,9 @@ class HybridLM(nn.Module):
         x_BxLxD = embed(tokens_BxL).astype(jnp.float32)  # the residual stream stays in float32
         for i, letter in enumerate(cfg.pattern):
             x_BxLxD = Block(cfg, BLOCK_KINDS[letter], name=f"blocks_{i}")(x_BxLxD)
+            if cfg.residual_format:
+                self.sow("residual", f"after_blocks_{i}", x_BxLxD)  # before storage: probes
+                x_BxLxD = store_residual(x_BxLxD, cfg.residual_format)
         final_norm = RMSNorm(name="final_norm")
         head = _dense(cfg.vocab, "head", dtype)
         logits_BxLxV = head(final_norm(x_BxLxD).astype(dtype)).astype(jnp.float32)

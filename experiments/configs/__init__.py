@@ -78,7 +78,8 @@ def _added_later() -> dict:
                                            for k, v in MUON_DEFAULTS.items()},
             "model.attention": "einsum", "model.attention_accumulate": "fp32",
             "model.attention_saved": "float32", "model.ssm_state_format": "",
-            "model.ssm_state_rounding": "nearest"}
+            "model.ssm_state_rounding": "nearest", "model.residual_format": "",
+            "model.residual_gate": False}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -18,7 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
         # "einsum", or "flash" (fp4lab.attention) with its P.V rounding and saved output
         attention="einsum", attention_accumulate="fp32", attention_saved="float32",
         # the Mamba-2 state: "" (parallel scan) or a stored format (experiments/model.py)
-        ssm_state_format="", ssm_state_rounding="nearest"))
+        ssm_state_format="", ssm_state_rounding="nearest",
+        # the residual stream between blocks: "", "e4m3" or "e4m3_token"; gated writes
+        residual_format="", residual_gate=False))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources

@@ -90,6 +90,37 @@ def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
             ModelConfig(**bad)
 
 
+def test_the_residual_stream_stored_in_fp8(model_and_params):
+    import dataclasses
+
+    from experiments.model import residual_probes, store_residual
+    from fp4lab.formats import E4M3
+
+    x = jnp.array([[[500.0, -1e-4, 0.3, 448.0, 2.0 ** -9, 0.0]]])
+    grid = np.asarray(store_residual(x, "e4m3"))  # NumPy check of the E4M3 grid
+    np.testing.assert_array_equal(grid, [[[448.0, 0.0, 0.3125, 448.0, 2.0 ** -9, 0.0]]])
+    g = jax.grad(lambda x: jnp.sum(store_residual(x, "e4m3") * 3.0))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0))  # straight through
+    tok = np.asarray(store_residual(x, "e4m3_token"))
+    # scaled by the token's amax: 500 -> 448 -> fl(448 * fl(1 / fl(448 / 500)))
+    assert tok[0, 0, 0] == pytest.approx(500.0, rel=1e-6) and tok[0, 0, 1] == 0.0
+    assert E4M3.max == 448.0
+    model, params, tokens = model_and_params
+    base, _ = model.apply(params, tokens)
+    for fmt in ("e4m3", "e4m3_token"):
+        m = HybridLM(dataclasses.replace(CFG, residual_format=fmt))
+        out, _ = m.apply(params, tokens)
+        assert not np.array_equal(np.asarray(out), np.asarray(base))
+        probes = residual_probes(m, params, tokens)
+        assert list(probes) == ["blocks_0", "blocks_1", "blocks_2"]
+        assert all(0 <= p["underflow"] < 1 and p["sqnr_db"] > 10 for p in probes.values())
+    gated = HybridLM(dataclasses.replace(CFG, residual_gate=True))
+    gp = gated.init(jax.random.key(1), tokens)
+    assert float(gp["params"]["blocks_0"]["residual_gate"].sum()) == 0.0
+    with pytest.raises(ValueError, match="residual_format='fp8'"):
+        ModelConfig(residual_format="fp8")
+
+
 def test_selective_scan_matches_a_sequential_loop():
     # the associative scan equals the recurrence h_t = a_t h_{t-1} + b_t step by step
     from experiments.model import _ssm_combine
