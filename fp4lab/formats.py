@@ -221,6 +221,8 @@ FORMATS: dict[str, Format] = {
         Format(name="fp8_e4m3_row", element=E4M3, scaling=scaling.AbsMaxScale(),
                granularity="channel",
                follows="E4M3 with one float32 abs-max scale per row along the axis (per token)"),
+        _block("fp8_block128_pow2", E4M3, scaling.PowerOfTwoScale(mode="rceil"), 128,
+               "DeepSeek-V3 activation caching: E4M3 1x128 with power-of-two scales"),
         _block("int8_block128", INT8, scaling.AbsMaxScale(), 128,
                "symmetric INT8, one float32 scale per 128 (Nemotron 3 Ultra's SSM-state cache)"),
         Format(name="int4", element=INT4, scaling=scaling.AbsMaxScale(), granularity="channel",

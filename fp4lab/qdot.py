@@ -42,7 +42,7 @@ from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize
 from fp4lab.rounding import abs_max
 from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
 
-__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys"]
+__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "saved_bytes"]
 
 AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
 _BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N)
@@ -213,6 +213,45 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
 
+def _save_x(x, saved):
+    """X as the backward pass will find it: quantized in blocks along K (a QArray), on the
+    host with ``offload``; a zero-size array carries X's dtype."""
+    if saved is None:
+        return x
+    q = quantize(x.astype(jnp.float32), saved.format, axis=-1)
+    if saved.offload:
+        q = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), q)
+    return q, jnp.zeros((0,), x.dtype)
+
+
+def _restore_x(stored, saved):
+    if saved is None:
+        return stored
+    q, like = stored
+    if saved.offload:
+        q = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), q)
+    return dequantize(q, jnp.float32).astype(like.dtype)
+
+
+def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> dict[str, int]:
+    """What :func:`qdot_general` keeps for its backward pass, in bytes (from the shapes and
+    dtypes of ``lhs`` and ``rhs``, arrays or ``jax.ShapeDtypeStruct``): ``x`` (the saved
+    input: as it came, or ``recipe.saved_x``'s codes and scales), ``w``, ``other`` (keys,
+    a reused quantized weight, probes), ``total``, and ``host`` (the part offloaded)."""
+    recipe = get_recipe(recipe)
+    plan = _plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    out_dtype = jnp.result_type(lhs, rhs)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if recipe.needs_key else None
+    res = jax.eval_shape(lambda a, b, k: _qdot_fwd(plan, recipe, out_dtype, "xla", a, b, k,
+                                                   None, None)[1], lhs, rhs, key)
+    size = lambda t: sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize  # noqa: E731
+                         for a in jax.tree.leaves(t))
+    x, w = size(res[0]), size(res[1])
+    total = size(res)
+    return {"x": x, "w": w, "other": total - x - w, "total": total,
+            "host": x if recipe.saved_x is not None and recipe.saved_x.offload else 0}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     x, w = _to_canon(lhs, rhs, plan)
@@ -228,13 +267,14 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
     fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
                                                     ("fprop",))
-    res = (x, w, key) + ((xq, wq) if recipe.backward == "ste" else (None, None)) + (
-        qw, fwd_probes, history)
+    res = (_save_x(x, recipe.saved_x), w, key) + (
+        (xq, wq) if recipe.backward == "ste" else (None, None)) + (qw, fwd_probes, history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     x, w, key, xq, wq, qw, fwd_probes, history = res
+    x = _restore_x(x, recipe.saved_x)
     b, m, _, n = plan.bmkn
     dy = g.reshape(b, m, n)
     keys = operand_keys(key)

@@ -25,8 +25,8 @@ from typing import Literal, NamedTuple
 from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
 
-__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe", "RECIPES",
-           "get_recipe", "recipe_names"]
+__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe", "SavedX",
+           "RECIPES", "get_recipe", "recipe_names"]
 
 
 class Operand(NamedTuple):
@@ -98,6 +98,25 @@ def _op(fmt="bf16", **kw) -> OperandQuant:
     return OperandQuant(format=fmt, **kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedX:
+    """What a GEMM stores of its input X for the backward pass (the wgrad GEMM's X and the
+    probes then use ``dequantize(quantize(X))``): ``format`` quantizes X in blocks along K
+    (``fp8_block128``: Kimi K2's E4M3 1x128 tiles with float32 scales;
+    ``fp8_block128_pow2``: the same with power-of-two scales, DeepSeek-V3's; ``mxfp8``;
+    ``bf16``: a cast), and ``offload`` keeps it in host memory (``jax.memory.Space.Host``)
+    between the forward and the backward pass. Compute is unchanged."""
+
+    format: str | Format = "fp8_block128"
+    offload: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", get_format(self.format))
+
+    def describe(self) -> str:
+        return f"saved x: {self.format.name}" + (" (host)" if self.offload else "")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Quantization of the six GEMM operands of a linear layer (see module docstring).
@@ -118,11 +137,15 @@ class Recipe:
     backward: Literal["quantized", "ste"] = "quantized"
     hadamard_signs: str | int = "te"
     delayed: DelayedScaling | None = None
+    saved_x: SavedX | None = None  # None: the GEMM saves X as it came (today's)
     follows: str = ""
 
     def __post_init__(self):
         if self.backward not in ("quantized", "ste"):
             raise ValueError(f"backward={self.backward!r} is not 'quantized' or 'ste'")
+        if self.saved_x is not None and self.backward == "ste":
+            raise ValueError(f"recipe {self.name}: saved_x needs backward='quantized' (a QAT "
+                             "recipe's backward uses the quantized forward operands)")
         if self.delayed is not None and not self.delayed_operands:
             raise ValueError(f"recipe {self.name}: delayed scaling needs a per-tensor operand "
                              "format (fp8_e4m3, fp8_e5m2, ...); none of its operands has one")
@@ -152,7 +175,7 @@ class Recipe:
 
     @property
     def is_identity(self) -> bool:
-        return all(o.is_identity for o in self.operands.values())
+        return self.saved_x is None and all(o.is_identity for o in self.operands.values())
 
     def describe(self) -> str:
         ops = self.operands
@@ -164,6 +187,8 @@ class Recipe:
             d = self.delayed
             text += (f"; delayed scaling (history {d.history_len}, {d.amax_compute_algo}, "
                      f"margin {d.margin})")
+        if self.saved_x:
+            text += f"; {self.saved_x.describe()}"
         return text
 
 
@@ -246,6 +271,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _qat("q4_0_qat", "int4_q4_0", follows="Gemma QAT for GGML Q4_0 checkpoints"),
     _qat("mxfp4_weights", "mxfp4",
          follows="gpt-oss style weight-only MXFP4 (forward weights only)"),
+    _uniform("bf16_saved_fp8", "bf16", "Kimi K2: BF16 compute, the input saved for the "
+             "backward pass as E4M3 in 1x128 tiles with float32 scales",
+             saved_x=SavedX("fp8_block128")),
 )}
 
 

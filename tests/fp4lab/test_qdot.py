@@ -8,7 +8,7 @@ import pytest
 import fp4lab
 from fp4lab.hadamard import hadamard_matrix, rht, rht_matrix
 from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.recipe import RECIPES, get_recipe
+from fp4lab.recipe import RECIPES, OperandQuant, get_recipe
 
 HI = jax.lax.Precision.HIGHEST
 DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N)
@@ -65,6 +65,8 @@ def oracle(x, w, g, recipe, key):
     wq2 = wq if (r.fprop_w.tile and r.fprop_w == r.dgrad_w) else oracle_operand(
         w, r.dgrad_w, 1, k[3], amax=a[3])
     dx = dot(dyq, wq2.T)
+    if r.saved_x is not None:  # the backward pass finds X as stored: DQ(Q(X)) along K
+        x = oracle_operand(x, OperandQuant(format=r.saved_x.format), 1, None).astype(x.dtype)
     xq3 = oracle_operand(x, r.wgrad_x, 0, k[4], r.hadamard_signs, amax=a[4])
     dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.hadamard_signs, amax=a[5])
     return y, dx, dot(xq3.T, dyq3)

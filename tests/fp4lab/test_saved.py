@@ -1,0 +1,97 @@
+"""Saved-activation storage (recipe.saved_x): the backward pass uses dequantize(quantize(X)),
+the residuals hold the codes and scales (and sit in host memory when offloaded), the bytes
+are reported, and the default stores X unchanged."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fp4lab
+from fp4lab.qdot import qdot_general, saved_bytes
+from fp4lab.recipe import SavedX, get_recipe
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _data():
+    k = jax.random.split(jax.random.key(0), 3)
+    x = (jax.random.normal(k[0], (64, 256)) * 3).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (256, 32)) / 16).astype(jnp.bfloat16)
+    dy = jax.random.normal(k[2], (64, 32)).astype(jnp.bfloat16)
+    return x, w, dy
+
+
+def _grads(recipe, x, w, dy):
+    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe), x, w)
+    return y, *vjp(dy)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block128", "fp8_block128_pow2", "mxfp8", "bf16"])
+def test_wgrad_uses_the_stored_x_and_nothing_else_changes(fmt):
+    x, w, dy = _data()
+    recipe = dataclasses.replace(get_recipe("bf16"), name=f"bf16_saved_{fmt}",
+                                 saved_x=SavedX(fmt))
+    y, dx, dw = jax.jit(_grads, static_argnums=0)(recipe, x, w, dy)
+    y0, dx0, dw0 = jax.jit(_grads, static_argnums=0)("bf16", x, w, dy)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))  # the forward is unchanged
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))  # dgrad needs no X
+    stored = fp4lab.dequantize(fp4lab.quantize(x.astype(jnp.float32), fmt, axis=-1))
+    want = lax.dot_general(stored.astype(jnp.bfloat16), dy, (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(want))
+    if fmt != "bf16":  # x is already BF16: a BF16 store changes nothing
+        assert not np.array_equal(np.asarray(dw), np.asarray(dw0))
+
+
+def test_the_default_recipe_stores_x_as_it_came():
+    x, w, dy = _data()
+    for name in ("bf16", "nvfp4"):
+        assert get_recipe(name).saved_x is None
+    _, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, "bf16"), x, w)
+    dtypes = sorted(str(a.dtype) for a in jax.tree.leaves(vjp) if a.size == x.size)
+    assert dtypes == ["bfloat16"]  # (in the GEMM's [batch, M, K] layout)
+
+
+def _residuals(recipe, x, w):
+    return jax.jit(lambda a, b: jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe), a, b)[1])(
+        x, w)
+
+
+def test_the_residuals_prove_what_is_stored_and_where():
+    x, w, _ = _data()
+    vjp = _residuals("bf16_saved_fp8", x, w)
+    leaves = jax.tree.leaves(vjp)
+    assert any(a.dtype == jnp.float8_e4m3fn and a.shape == (1, 64, 256) for a in leaves)
+    assert any(a.dtype == jnp.float32 and a.shape == (1, 64, 2) for a in leaves)  # 1x128
+    assert not any(a.size == x.size and a.dtype == jnp.bfloat16 for a in leaves)
+    host = dataclasses.replace(get_recipe("bf16_saved_fp8"), name="bf16_saved_fp8_host",
+                               saved_x=SavedX("fp8_block128", offload=True))
+    kinds = {(str(a.dtype), a.sharding.memory_kind) for a in jax.tree.leaves(
+        _residuals(host, x, w))}
+    assert ("float8_e4m3fn", "pinned_host") in kinds and ("float32", "pinned_host") in kinds
+    _, dx, dw = jax.jit(_grads, static_argnums=0)(host, x, w, _data()[2])
+    _, dx1, dw1 = jax.jit(_grads, static_argnums=0)("bf16_saved_fp8", x, w, _data()[2])
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw1))  # offload moves, exactly
+
+
+def test_saved_bytes_reports_the_residuals():
+    x, w, _ = _data()
+    plain = saved_bytes(x, w, DN, "bf16")
+    fp8 = saved_bytes(x, w, DN, "bf16_saved_fp8")
+    assert plain["x"] == 64 * 256 * 2 and plain["w"] == 256 * 32 * 2
+    assert fp8["x"] == 64 * 256 + 64 * 2 * 4  # E4M3 codes and one float32 scale per 128
+    assert plain["x"] / fp8["x"] == pytest.approx(2 / (1 + 4 / 128))  # 1.94x, as Kimi K2
+    host = dataclasses.replace(get_recipe("bf16_saved_fp8"), name="h",
+                               saved_x=SavedX(offload=True))
+    assert saved_bytes(jax.ShapeDtypeStruct(x.shape, x.dtype), w, DN, host)["host"] == fp8["x"]
+
+
+def test_bad_storage_is_named():
+    with pytest.raises(ValueError, match="unknown format 'e9m9'"):
+        SavedX("e9m9")
+    with pytest.raises(ValueError, match="saved_x needs backward='quantized'"):
+        dataclasses.replace(get_recipe("fp4_qat"), saved_x=SavedX())
