@@ -16,7 +16,9 @@ Nothing here touches files, devices or the clock (``experiments.train`` does).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import flax
 import jax
@@ -27,8 +29,8 @@ from experiments.model import ModelConfig
 from experiments.optimizers import make_optimizer
 from fp4lab import delayed
 
-__all__ = ["TrainState", "model_config", "make_optimizer", "make_loss", "make_step",
-           "make_eval"]
+__all__ = ["TrainState", "GradReduce", "model_config", "make_optimizer", "make_loss",
+           "make_grad_fn", "make_step", "make_eval"]
 
 
 @flax.struct.dataclass
@@ -69,17 +71,87 @@ def make_loss(qmodel, mtp_weight: float):
     return loss_fn
 
 
-def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool):
+@dataclasses.dataclass(frozen=True)
+class GradReduce:
+    """``train.grad_reduce``: the data-parallel gradient reduction spelled out per replica
+    (``fp4lab.reduction``): ``mode`` for every parameter, or the mode of the first
+    ``(regex, mode)`` rule whose regex fullmatches the parameter's path (``head/kernel``)."""
+
+    mode: str
+    rules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        from fp4lab.reduction import check_mode
+
+        check_mode(self.mode)
+        for rule in self.rules:
+            if len(rule) != 2:
+                raise ValueError(f"train.grad_reduce_rules entry {rule!r}: (regex, mode)")
+            re.compile(rule[0])
+            check_mode(rule[1])
+
+    def mode_of(self, path: str) -> str:
+        return next((m for pattern, m in self.rules if re.fullmatch(pattern, path)), self.mode)
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in keys)
+
+
+def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None, *,
+                 with_local: bool = False):
+    """``grads(params, probes, history, tokens, weights, key) -> ((loss, main), (grads,
+    probe grads, seen amaxes)[, local grads])``. ``reduce=None``: one global
+    ``value_and_grad`` (XLA inserts the all-reduce). Otherwise every replica of ``mesh``'s
+    ``data`` axis differentiates its rows of the batch (its stochastic-rounding key folded
+    with its index), and the gradients are reduced explicitly with ``reduce``'s modes and
+    divided by the replica count; losses are averaged, delayed-scaling amaxes maxed.
+    ``with_local``: also the replicas' own gradients, stacked (tests)."""
+    loss_fn = make_loss(qmodel, mtp_weight)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
+    if reduce is None:
+        return grad_fn
+    from jax.sharding import PartitionSpec as P
+
+    from fp4lab.reduction import all_reduce
+
+    def local(params, history, tokens, weights, key):
+        i = jax.lax.axis_index("data")
+        n = jax.lax.axis_size("data")
+        (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights,
+                                                 jax.random.fold_in(key, i))
+        reduced = jax.tree_util.tree_map_with_path(
+            lambda path, g: all_reduce(g, "data", reduce.mode_of(_path(path))) / n, grads)
+        seen = None if seen is None else jax.tree.map(lambda a: jax.lax.pmax(a, "data"), seen)
+        out = ((jax.lax.psum(loss, "data") / n, jax.lax.psum(main, "data") / n),
+               (reduced, None, seen))
+        return out + ((jax.tree.map(lambda g: g[None], grads),) if with_local else ())
+
+    specs = (P(), P(), P("data"), P("data"), P())
+    out_specs = ((P(), P()), (P(), None, P())) + ((P("data"),) if with_local else ())
+
+    def grads(params, probes, history, tokens, weights, key):
+        if probes is not None:
+            raise ValueError("train.grad_reduce computes per-replica gradients; the probes "
+                             "measure the global step: set probes.every=0")
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                             check_vma=False)(params, history, tokens, weights, key)
+
+    return grads
+
+
+def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool,
+              reduce: GradReduce | None = None, mesh=None):
     """``step(state, tokens, weights, probes) -> (state, metrics, probe gradients)``, jitted
     with the state donated. The SR key of a step is a function of ``seed`` and the step; the
     seed's key is an argument of the compiled program, not a constant in it, so runs that
     differ only in their seed compile the same program (the sweep's seeds share one compile
-    through JAX's compilation cache)."""
-    loss_fn = make_loss(qmodel, mtp_weight)
+    through JAX's compilation cache). ``reduce``: the explicit gradient reduction over
+    ``mesh``'s ``data`` axis (:func:`make_grad_fn`)."""
+    grad_fn = make_grad_fn(qmodel, mtp_weight, reduce, mesh)
 
     def step(state: TrainState, tokens, weights, probes, base_key):
         key = jax.random.fold_in(base_key, state.step)
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
         (loss, main), (grads, probe_grads, seen) = grad_fn(
             state.params, probes if with_probes else None, state.amax_history, tokens,
             weights, key)

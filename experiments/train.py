@@ -36,6 +36,10 @@ records and summaries in ``experiments.probes``. What a run does:
   saved and :class:`TrainingDiverged` names the step;
 * ``train.bf16_last_fraction``: the last fraction of the steps run with every layer in BF16
   (the NVFP4 paper's late precision switch);
+* ``train.grad_reduce``: ``"xla"`` (XLA's all-reduce), or the data-parallel reduction
+  spelled out per replica in ``fp32``, ``bf16_wire``, ``bf16_ring`` or ``bf16_tree``
+  (``fp4lab.reduction``), per parameter with ``train.grad_reduce_rules`` (``(regex, mode)``
+  on paths like ``head/kernel``; Nemotron 3 Ultra's regression was the output layer only);
 * numerics probes every ``probes.every`` steps: for every quantized layer and each of the six
   GEMM operands (fprop X/W, dgrad dY/W, wgrad X/dY, the gradients being that step's real
   ones) underflow, saturation, relative MSE, SQNR and scale health (``fp4lab.probes``).
@@ -69,7 +73,8 @@ from experiments.data import Batch, TextData, load_data
 from experiments.model import HybridLM
 from experiments.probes import probe_records, summarize_probes, underflow_by_kind
 from experiments.records import RunRecords, read_jsonl
-from experiments.step import TrainState, make_eval, make_optimizer, make_step, model_config
+from experiments.step import (GradReduce, TrainState, make_eval, make_optimizer, make_step,
+                              model_config)
 from fp4lab.flax import quantize_model
 
 __all__ = ["train", "main", "TrainingDiverged", "TrainingInterrupted", "TrainState",
@@ -126,6 +131,9 @@ def _check(config, data: TextData, n_devices: int):
         raise ValueError(f"train.steps={t.steps} must be >= 1 and > train.warmup={t.warmup}")
     if not 0 <= t.bf16_last_fraction <= 1:
         raise ValueError(f"train.bf16_last_fraction={t.bf16_last_fraction} is not in [0, 1]")
+    if _grad_reduce(config) is not None and config.probes.every:
+        raise ValueError(f"train.grad_reduce={t.grad_reduce!r} computes per-replica gradients "
+                         "and the probes measure the global step: set probes.every=0")
 
 
 def _check_resume(stored: Path, config, allow_changes, workdir) -> dict[str, tuple]:
@@ -145,6 +153,19 @@ def _check_resume(stored: Path, config, allow_changes, workdir) -> dict[str, tup
             "it would blend two runs. Use another --workdir, remove this one, or continue "
             f"this run with the new values: --allow-changes {','.join(refused)}")
     return changes
+
+
+def _grad_reduce(config) -> GradReduce | None:
+    """``train.grad_reduce``: ``"xla"`` (XLA's all-reduce of the global gradient) or a mode
+    of ``fp4lab.reduction`` with per-parameter ``train.grad_reduce_rules``."""
+    t = config.train
+    mode = t.get("grad_reduce", "xla")
+    if mode == "xla":
+        if t.get("grad_reduce_rules", ()):
+            raise ValueError("train.grad_reduce_rules needs train.grad_reduce set to a mode "
+                             "(fp32, bf16_wire, bf16_ring, bf16_tree), not 'xla'")
+        return None
+    return GradReduce(mode, tuple(tuple(r) for r in t.get("grad_reduce_rules", ())))
 
 
 # ----------------------------------------------------------------------------- setup
@@ -357,7 +378,8 @@ class _Programs:
             self.log.interval.compiled = True
             self._steps[k] = make_step(model, self.setup.tx, self.setup.sched,
                                        self.config.seed, self.config.train.mtp_weight,
-                                       with_probes)
+                                       with_probes, _grad_reduce(self.config),
+                                       self.setup.place.batch.mesh)
         return self._steps[k]
 
     def evaluate(self, model, state: TrainState) -> float:

@@ -40,6 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
         log_every=10, eval_every=0, ckpt_every=50,
         bf16_last_fraction=0.0,  # the late precision switch: last fraction of steps in BF16
         optimizer="adamw",  # or "muon" (experiments/optimizers.py)
+        # "xla", or fp32 | bf16_wire | bf16_ring | bf16_tree spelled out per replica, with
+        # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
+        grad_reduce="xla", grad_reduce_rules=(),
         # Muon's own settings (ns_coeffs: a preset name or coefficients; mu_dtype: None or
         # a dtype name)
         muon=ml_collections.ConfigDict(MUON_DEFAULTS, type_safe=False)))

@@ -1,0 +1,72 @@
+"""train.grad_reduce: the training step's gradients reduced explicitly over 8 replicas equal a
+NumPy reduction of the replicas' own gradients (per parameter mode), and a run trains."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from experiments.model import HybridLM
+from experiments.step import GradReduce, make_grad_fn, model_config
+from experiments.train import train
+from fp4lab.flax import quantize_model
+
+N = 8
+
+
+def _fp32(xs):  # replica order, FP32
+    out = xs[0].astype(np.float32)
+    for t in xs[1:]:
+        out = (out + t).astype(np.float32)
+    return out
+
+
+def _bf16_tree(xs):  # pairwise, a BF16 add (exact sum rounded once) at every node
+    level = [x.astype(ml_dtypes.bfloat16) for x in xs]
+    while len(level) > 1:
+        nxt = [(a.astype(np.float64) + b.astype(np.float64)).astype(ml_dtypes.bfloat16)
+               for a, b in zip(level[0::2], level[1::2])]
+        level = nxt + ([level[-1]] if len(level) % 2 else [])
+    return level[0].astype(np.float32)
+
+
+def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
+    devices = jax.devices()[:N]
+    assert len(devices) == N
+    mesh = Mesh(np.array(devices), ("data",))
+    model = HybridLM(model_config(tiny))
+    b = text.batch(0, 0, N, tiny.data.seq_len)
+    params = model.init(jax.random.key(0), jnp.asarray(b.tokens[:, :-1]))["params"]
+    qm = quantize_model(model, "all:nvfp4")  # stochastic rounding: each replica its own key
+    reduce = GradReduce("fp32", (("head/.*", "bf16_tree"),))
+    fn = jax.jit(make_grad_fn(qm, 0.0, reduce, mesh, with_local=True))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    (loss, _), (grads, _, _), local = fn(params, None, None, put(b.tokens), put(b.weights),
+                                         jax.random.key(3))
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    local_flat = jax.tree.leaves(local)
+    assert len(flat) == len(local_flat)
+    for (path, g), per_replica in zip(flat, local_flat):
+        name = "/".join(str(k.key) for k in path)
+        xs = np.asarray(per_replica)
+        assert xs.shape[0] == N
+        want = (_bf16_tree(xs) if name.startswith("head/") else _fp32(xs)) / N
+        np.testing.assert_array_equal(np.asarray(g), want, err_msg=name)
+    assert not np.array_equal(np.asarray(local_flat[0][0]), np.asarray(local_flat[0][1]))
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.slow
+def test_a_run_with_bf16_reduction_of_the_head_trains(tiny, text, tmp_path):
+    tiny.precision.policy, tiny.probes.every = "bf16", 0
+    tiny.train.grad_reduce, tiny.train.grad_reduce_rules = "fp32", (("head/.*", "bf16_ring"),)
+    r = train(tiny, tmp_path / "run", data=text, progress=False)
+    assert r["status"] == "ok" and r["final_train_loss"] < 5.5
+    tiny.probes.every = 6
+    with pytest.raises(ValueError, match="set probes.every=0"):
+        train(tiny, tmp_path / "probed", data=text, progress=False)
+    tiny.probes.every, tiny.train.grad_reduce = 0, "bf16_zigzag"
+    with pytest.raises(ValueError, match="unknown gradient-reduction mode 'bf16_zigzag'"):
+        train(tiny, tmp_path / "bad", data=text, progress=False)
