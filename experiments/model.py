@@ -105,6 +105,9 @@ class ModelConfig:
     ssm_state: int = 16
     conv_width: int = 4
     mtp: bool = False  # a multi-token-prediction head (predicts token t + 2)
+    # the MTP logits through the main head's kernel (DeepSeek-V3's shared output layer, whose
+    # gradient then sums both losses' parts; Nemotron 3 Ultra's BF16-reduction regression)
+    mtp_tied_head: bool = False
     dtype: str = "bfloat16"
     # attention's softmax and P.V: "einsum" (FP32, as written here) or "flash"
     # (fp4lab.attention.flash_attention: key blocks of 64, the P.V rounding points
@@ -339,5 +342,10 @@ class HybridLM(nn.Module):
                                     axis=-1).astype(dtype)
         hm_BxLxD = _dense(cfg.d_model, "mtp_proj", dtype)(hm_BxLx2D).astype(jnp.float32)
         hm_BxLxD = Block(cfg, "mlp", name="mtp_block")(hm_BxLxD)
+        hm_BxLxD = final_norm(hm_BxLxD).astype(dtype)
+        if cfg.mtp_tied_head:  # the head's kernel in a plain einsum (no policy layer rule)
+            kernel_DxV = head.variables["params"]["kernel"].astype(dtype)
+            return logits_BxLxV, jnp.einsum("bld,dv->blv", hm_BxLxD, kernel_DxV).astype(
+                jnp.float32)
         mtp_head = _dense(cfg.vocab, "mtp_head", dtype)
-        return logits_BxLxV, mtp_head(final_norm(hm_BxLxD).astype(dtype)).astype(jnp.float32)
+        return logits_BxLxV, mtp_head(hm_BxLxD).astype(jnp.float32)

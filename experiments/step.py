@@ -79,6 +79,9 @@ class GradReduce:
 
     mode: str
     rules: tuple[tuple[str, str], ...] = ()
+    # measure, per step, how much of the MTP loss's gradient to the (tied) output layer
+    # survives the reduction (fp4lab.reduction.surviving_fraction; model.mtp_tied_head)
+    survival: bool = False
 
     def __post_init__(self):
         from fp4lab.reduction import check_mode
@@ -101,34 +104,53 @@ def _path(keys) -> str:
 def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None, *,
                  with_local: bool = False):
     """``grads(params, probes, history, tokens, weights, key) -> ((loss, main), (grads,
-    probe grads, seen amaxes)[, local grads])``. ``reduce=None``: one global
-    ``value_and_grad`` (XLA inserts the all-reduce). Otherwise every replica of ``mesh``'s
-    ``data`` axis differentiates its rows of the batch (its stochastic-rounding key folded
-    with its index), and the gradients are reduced explicitly with ``reduce``'s modes and
-    divided by the replica count; losses are averaged, delayed-scaling amaxes maxed.
-    ``with_local``: also the replicas' own gradients, stacked (tests)."""
+    probe grads, seen amaxes), extra metrics[, local grads])``. ``reduce=None``: one global
+    ``value_and_grad`` (XLA inserts the all-reduce; no extra metrics). Otherwise every
+    replica of ``mesh``'s ``data`` axis differentiates its rows of the batch (its
+    stochastic-rounding key folded with its index), and the gradients are reduced explicitly
+    with ``reduce``'s modes and divided by the replica count; losses are averaged,
+    delayed-scaling amaxes maxed; ``reduce.survival`` adds ``mtp_grad_survival`` and
+    ``mtp_grad_error`` (two more backward passes of the head). ``with_local``: also the
+    replicas' own gradients, stacked (tests)."""
     loss_fn = make_loss(qmodel, mtp_weight)
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
     if reduce is None:
-        return grad_fn
+        return lambda *args: grad_fn(*args) + ({},)
     from jax.sharding import PartitionSpec as P
 
     from fp4lab.reduction import all_reduce
 
+    def survival(params, history, tokens, weights, key):
+        """The head kernel's gradient parts from the main and the MTP loss, reduced."""
+        from fp4lab.reduction import surviving_fraction
+
+        def parts(head):
+            p = {**params, "head": {**params["head"], "kernel": head}}
+            loss, main = loss_fn(p, None, history, tokens, weights, key)
+            return main, loss - main
+
+        (main, mtp), pull = jax.vjp(parts, params["head"]["kernel"])
+        g_main, = pull((jnp.ones_like(main), jnp.zeros_like(mtp)))
+        g_mtp, = pull((jnp.zeros_like(main), jnp.ones_like(mtp)))
+        stacked = [jax.lax.all_gather(g, "data") for g in (g_main, g_mtp)]
+        s = surviving_fraction(*stacked, reduce.mode_of("head/kernel"))
+        return {"mtp_grad_survival": s["fraction"], "mtp_grad_error": s["error"]}
+
     def local(params, history, tokens, weights, key):
         i = jax.lax.axis_index("data")
         n = jax.lax.axis_size("data")
-        (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights,
-                                                 jax.random.fold_in(key, i))
+        key = jax.random.fold_in(key, i)
+        (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights, key)
         reduced = jax.tree_util.tree_map_with_path(
             lambda path, g: all_reduce(g, "data", reduce.mode_of(_path(path))) / n, grads)
         seen = None if seen is None else jax.tree.map(lambda a: jax.lax.pmax(a, "data"), seen)
+        extra = survival(params, history, tokens, weights, key) if reduce.survival else {}
         out = ((jax.lax.psum(loss, "data") / n, jax.lax.psum(main, "data") / n),
-               (reduced, None, seen))
+               (reduced, None, seen), extra)
         return out + ((jax.tree.map(lambda g: g[None], grads),) if with_local else ())
 
     specs = (P(), P(), P("data"), P("data"), P())
-    out_specs = ((P(), P()), (P(), None, P())) + ((P("data"),) if with_local else ())
+    out_specs = ((P(), P()), (P(), None, P()), P()) + ((P("data"),) if with_local else ())
 
     def grads(params, probes, history, tokens, weights, key):
         if probes is not None:
@@ -152,7 +174,7 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
 
     def step(state: TrainState, tokens, weights, probes, base_key):
         key = jax.random.fold_in(base_key, state.step)
-        (loss, main), (grads, probe_grads, seen) = grad_fn(
+        (loss, main), (grads, probe_grads, seen), extra = grad_fn(
             state.params, probes if with_probes else None, state.amax_history, tokens,
             weights, key)
         gnorm = optax.tree.norm(grads)
@@ -169,7 +191,7 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
                                             state.step),
                          amax_history=history)
         metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
-                   "lr": sched(state.step)}
+                   "lr": sched(state.step), **extra}
         return new, metrics, probe_grads
 
     return functools.partial(jax.jit(step, donate_argnums=0), base_key=jax.random.key(seed))

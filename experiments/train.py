@@ -40,6 +40,9 @@ records and summaries in ``experiments.probes``. What a run does:
   spelled out per replica in ``fp32``, ``bf16_wire``, ``bf16_ring`` or ``bf16_tree``
   (``fp4lab.reduction``), per parameter with ``train.grad_reduce_rules`` (``(regex, mode)``
   on paths like ``head/kernel``; Nemotron 3 Ultra's regression was the output layer only);
+  ``train.grad_survival`` (with ``model.mtp_tied_head``) logs per step the share of the MTP
+  loss's gradient to the shared output layer that survives the reduction
+  (``mtp_grad_survival``, ``mtp_grad_error``);
 * numerics probes every ``probes.every`` steps: for every quantized layer and each of the six
   GEMM operands (fprop X/W, dgrad dY/W, wgrad X/dY, the gradients being that step's real
   ones) underflow, saturation, relative MSE, SQNR and scale health (``fp4lab.probes``).
@@ -160,12 +163,19 @@ def _grad_reduce(config) -> GradReduce | None:
     of ``fp4lab.reduction`` with per-parameter ``train.grad_reduce_rules``."""
     t = config.train
     mode = t.get("grad_reduce", "xla")
+    survival = bool(t.get("grad_survival", False))
     if mode == "xla":
-        if t.get("grad_reduce_rules", ()):
-            raise ValueError("train.grad_reduce_rules needs train.grad_reduce set to a mode "
-                             "(fp32, bf16_wire, bf16_ring, bf16_tree), not 'xla'")
+        if t.get("grad_reduce_rules", ()) or survival:
+            raise ValueError("train.grad_reduce_rules and train.grad_survival need "
+                             "train.grad_reduce set to a mode (fp32, bf16_wire, bf16_ring, "
+                             "bf16_tree), not 'xla'")
         return None
-    return GradReduce(mode, tuple(tuple(r) for r in t.get("grad_reduce_rules", ())))
+    if survival and not (config.model.mtp and config.model.get("mtp_tied_head", False)):
+        raise ValueError("train.grad_survival measures the MTP loss's share of the shared "
+                         "output layer's gradient: it needs model.mtp=True and "
+                         "model.mtp_tied_head=True")
+    return GradReduce(mode, tuple(tuple(r) for r in t.get("grad_reduce_rules", ())),
+                      survival)
 
 
 # ----------------------------------------------------------------------------- setup

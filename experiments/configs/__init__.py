@@ -75,7 +75,8 @@ def _added_later() -> dict:
     from experiments.optimizers import MUON_DEFAULTS
 
     return {"train.optimizer": "adamw", "train.grad_reduce": "xla",
-            "train.grad_reduce_rules": [], **{f"train.muon.{k}": v
+            "train.grad_reduce_rules": [], "train.grad_survival": False,
+            "model.mtp_tied_head": False, **{f"train.muon.{k}": v
                                            for k, v in MUON_DEFAULTS.items()},
             "model.attention": "einsum", "model.attention_accumulate": "fp32",
             "model.attention_saved": "float32", "model.ssm_state_format": "",

@@ -14,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         pattern="M-M*M-",  # Nemotron-H letters: M Mamba-2, * attention, - MLP
         d_model=64, vocab=256, num_heads=4, mlp_mult=4, ssm_expand=2, ssm_head_dim=16,
-        ssm_state=16, conv_width=4, mtp=False, dtype="bfloat16",
+        ssm_state=16, conv_width=4, mtp=False, mtp_tied_head=False, dtype="bfloat16",
         # "einsum", or "flash" (fp4lab.attention) with its P.V rounding and saved output
         attention="einsum", attention_accumulate="fp32", attention_saved="float32",
         # the Mamba-2 state: "" (parallel scan) or a stored format (experiments/model.py)
@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
         # "xla", or fp32 | bf16_wire | bf16_ring | bf16_tree spelled out per replica, with
         # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
         grad_reduce="xla", grad_reduce_rules=(),
+        grad_survival=False,  # log how much of the MTP gradient survives (mtp_tied_head)
         # Muon's own settings (ns_coeffs: a preset name or coefficients; mu_dtype: None or
         # a dtype name)
         muon=ml_collections.ConfigDict(MUON_DEFAULTS, type_safe=False)))

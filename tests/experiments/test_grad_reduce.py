@@ -43,7 +43,7 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
     reduce = GradReduce("fp32", (("head/.*", "bf16_tree"),))
     fn = jax.jit(make_grad_fn(qm, 0.0, reduce, mesh, with_local=True))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
-    (loss, _), (grads, _, _), local = fn(params, None, None, put(b.tokens), put(b.weights),
+    (loss, _), (grads, _, _), _, local = fn(params, None, None, put(b.tokens), put(b.weights),
                                          jax.random.key(3))
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     local_flat = jax.tree.leaves(local)
@@ -59,11 +59,24 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
 
 
 @pytest.mark.slow
-def test_a_run_with_bf16_reduction_of_the_head_trains(tiny, text, tmp_path):
+def test_a_run_with_bf16_reduction_of_the_head_trains_and_logs_mtp_survival(tiny, text,
+                                                                           tmp_path):
+    from experiments.train import read_jsonl
+
     tiny.precision.policy, tiny.probes.every = "bf16", 0
+    tiny.model.mtp, tiny.model.mtp_tied_head, tiny.train.grad_survival = True, True, True
     tiny.train.grad_reduce, tiny.train.grad_reduce_rules = "fp32", (("head/.*", "bf16_ring"),)
     r = train(tiny, tmp_path / "run", data=text, progress=False)
     assert r["status"] == "ok" and r["final_train_loss"] < 5.5
+    steps = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in x]
+    assert len(steps) == tiny.train.steps
+    survival = [x["mtp_grad_survival"] for x in steps]
+    error = [x["mtp_grad_error"] for x in steps]
+    assert all(np.isfinite(survival)) and all(e > 1e-3 for e in error)  # BF16 loses some
+    tiny.train.grad_survival, tiny.model.mtp_tied_head = True, False
+    with pytest.raises(ValueError, match="mtp_tied_head=True"):
+        train(tiny, tmp_path / "untied", data=text, progress=False)
+    tiny.train.grad_survival = False
     tiny.probes.every = 6
     with pytest.raises(ValueError, match="set probes.every=0"):
         train(tiny, tmp_path / "probed", data=text, progress=False)
