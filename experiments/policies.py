@@ -2,6 +2,8 @@
 
 ``get(name)`` accepts:
 
+* ``bf16_mlp_saved_fp8``: BF16, the MLP layers' inputs saved for backward as E4M3 1x128
+  (Kimi K2's activation storage);
 * the sweep's names: ``bf16``, ``nvfp4``, ``nemotron3``, ``nemotron3_no_mxfp8`` (Mamba
   out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
   ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
@@ -25,6 +27,10 @@ from fp4lab.recipe import RECIPES
 __all__ = ["get", "NAMED"]
 
 NAMED = {
+    # Kimi K2: BF16 compute, the MLP inputs stored for the backward pass as E4M3 1x128
+    "bf16_mlp_saved_fp8": lambda: PrecisionPolicy(
+        rules=(Rule(name="MLP inputs saved in FP8", recipe="bf16_saved_fp8",
+                    pattern=r"(?:.*/)?mlp/\w+"),), default="bf16"),
     "nemotron3": lambda: nemotron3(),
     "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
     "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),

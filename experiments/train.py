@@ -507,6 +507,9 @@ class _Loop:
 # ----------------------------------------------------------------------------- the run
 
 
+_STEP_KEYS = {"step", "loss", "total_loss", "grad_norm", "lr", "tokens_per_s"}
+
+
 def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict],
             val_loss: float, started: float) -> dict:
     t, d = config.train, config.data
@@ -529,6 +532,9 @@ def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict
         "layers": {a.path: a.recipe.name if a.recipe else "-"
                    for a in setup.qmodel.explain({"params": setup.params}, setup.sample)},
         "config_changes": records.config_changes(),
+        # the mean over the steps of every further per-step metric (mtp_grad_survival, ...)
+        "step_metric_means": {k: float(np.mean([r[k] for r in steps if k in r]))
+                              for k in sorted({k for r in steps for k in r} - _STEP_KEYS)},
     }
 
 

@@ -73,6 +73,7 @@ def test_a_run_with_bf16_reduction_of_the_head_trains_and_logs_mtp_survival(tiny
     survival = [x["mtp_grad_survival"] for x in steps]
     error = [x["mtp_grad_error"] for x in steps]
     assert all(np.isfinite(survival)) and all(e > 1e-3 for e in error)  # BF16 loses some
+    assert r["step_metric_means"]["mtp_grad_error"] == pytest.approx(np.mean(error))
     tiny.train.grad_survival, tiny.model.mtp_tied_head = True, False
     with pytest.raises(ValueError, match="mtp_tied_head=True"):
         train(tiny, tmp_path / "untied", data=text, progress=False)

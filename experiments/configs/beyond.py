@@ -1,0 +1,29 @@
+"""What the seed systems claim beyond the GEMM operands, at small scale, three seeds each
+(docs/beyond_the_gemms.md): BF16 with the MLP inputs saved in FP8 (Kimi K2: no measurable
+cost), and the MTP gradient's survival through FP32 vs BF16 reduction of a shared output
+layer (Nemotron 3 Ultra). Run it on 8 simulated devices, one batch row each, so that the
+reduction has replicas to reduce:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m experiments.sweep --config beyond --out results/beyond
+"""
+
+import ml_collections
+
+from experiments.configs.default import get_config as _default
+
+_MTP = {"model.mtp": True, "model.mtp_tied_head": True, "train.grad_survival": True,
+        "probes.every": 0, "policies": ("bf16",)}
+
+
+def get_config():
+    c = _default()
+    c.sweep = ml_collections.ConfigDict(dict(
+        policies=("bf16", "bf16_mlp_saved_fp8"), seeds=3, seeded_policies=(), sizes=(),
+        compare=(),
+        variants=({"name": "base"},
+                  {"name": "mtp_fp32", "train.grad_reduce": "fp32", **_MTP},
+                  {"name": "mtp_bf16_head", "train.grad_reduce": "fp32",
+                   "train.grad_reduce_rules": (("head/.*", "bf16_ring"),), **_MTP})),
+        type_safe=False)
+    return c
