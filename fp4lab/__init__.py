@@ -7,7 +7,9 @@ exact division, packing), ``scaling`` (scale schemes), ``qarray`` (the QArray py
 ``backend`` (the kernel table), ``quantize`` (quantize, dequantize, fake_quant), ``metrics``,
 ``hadamard``, ``delayed`` (FP8 amax histories), ``recipe`` (the six GEMM operands and how each
 is quantized), ``probes``, ``einsum``, ``qdot`` (the quantized GEMMs) and ``policy`` (rules
-from module paths to recipes).
+from module paths to recipes). Beyond the GEMM operands (docs/beyond_the_gemms.md):
+``attention`` (flash-style attention with its BF16 rounding points), ``reduction``
+(gradient-reduction precision) and ``mismatch`` (train/inference mismatch of rollouts).
 """
 
 from fp4lab.backend import KernelFallback
@@ -30,9 +32,12 @@ from fp4lab.policy import (
 )
 from fp4lab.probes import probe_table, probe_zeros
 from fp4lab.qarray import QArray
-from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.attention import flash_attention
+from fp4lab.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
+from fp4lab.qdot import qdot_general, qeinsum, saved_bytes
 from fp4lab.quantize import dequantize, fake_quant, quantize
-from fp4lab.recipe import OPERANDS, RECIPES, OperandQuant, Recipe, get_recipe, recipe_names
+from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, Recipe, SavedX, get_recipe,
+                           recipe_names)
 
 __version__ = "0.1.0"
 
@@ -44,7 +49,9 @@ __all__ = [
     "quant_metrics", "METRIC_NAMES", "probe_zeros", "probe_table",
     # GEMMs and recipes
     "qdot_general", "qeinsum", "Recipe", "OperandQuant", "OPERANDS", "RECIPES", "get_recipe",
-    "recipe_names", "DelayedScaling",
+    "recipe_names", "DelayedScaling", "SavedX", "saved_bytes",
+    # beyond the GEMM operands (fp4lab.reduction holds the gradient-reduction modes)
+    "flash_attention", "mismatch_metrics", "truncated_is_weights", "token_mult_prob_error",
     # policies
     "PrecisionPolicy", "Rule", "Depth", "nemotron3", "nvfp4_paper", "all_layers", "explain",
     "get_policy", "load_policy", "save_policy", "PolicyWarning",
