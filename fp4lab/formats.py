@@ -19,6 +19,7 @@ import math
 from typing import Literal
 
 import jax.numpy as jnp
+import ml_dtypes
 
 from fp4lab import scaling
 
@@ -34,6 +35,7 @@ __all__ = [
     "BF16",
     "FP16",
     "FP32",
+    "E5M6",
     "ELEMENTS",
     "FORMATS",
     "get_format",
@@ -92,6 +94,15 @@ class ElementFormat:
     def dtype(self):
         return jnp.dtype(self.storage)
 
+    @property
+    def is_storage_dtype(self) -> bool:
+        """Whether the format *is* its storage dtype (BF16, FP16, FP32, FP8), so that a
+        convert rounds onto its grid; E5M6 is stored in FP16 but has a coarser grid."""
+        if self.kind != "float" or self.packed:
+            return False
+        info = ml_dtypes.finfo(jnp.dtype(self.storage))
+        return int(info.nmant) == self.mantissa_bits and int(info.nexp) == self.exponent_bits
+
     def grid(self) -> list[float]:
         """All non-negative finite values of the format, ascending (small formats only)."""
         if self.kind == "int":
@@ -133,11 +144,16 @@ INT4 = ElementFormat(
 BF16 = _float_element("bf16", 8, 7, 127, float(jnp.finfo(jnp.bfloat16).max), inf=True,
                       nan=True, storage="bfloat16")
 FP16 = _float_element("fp16", 5, 10, 15, 65504.0, inf=True, nan=True, storage="float16")
+# DeepSeek-V3's 12-bit minifloat (the attention output it stores for the backward pass): FP16's
+# exponent with 6 mantissa bits, so every value is an FP16 value and FP16 stores it exactly
+# (2 bytes an element here; a packed 12-bit layout would take 1.5)
+E5M6 = _float_element("e5m6", 5, 6, 15, (2 - 2.0**-6) * 2.0**15, inf=True, nan=True,
+                      storage="float16")
 FP32 = _float_element("fp32", 8, 23, 127, float(jnp.finfo(jnp.float32).max), inf=True,
                       nan=True, storage="float32")
 
 ELEMENTS: dict[str, ElementFormat] = {
-    f.name: f for f in (E2M1, E4M3, E5M2, E8M0, INT8, INT4, BF16, FP16, FP32)
+    f.name: f for f in (E2M1, E4M3, E5M2, E8M0, INT8, INT4, BF16, FP16, FP32, E5M6)
 }
 
 Granularity = Literal["none", "tensor", "channel", "block"]
@@ -223,6 +239,9 @@ FORMATS: dict[str, Format] = {
                follows="E4M3 with one float32 abs-max scale per row along the axis (per token)"),
         _block("fp8_block128_pow2", E4M3, scaling.PowerOfTwoScale(mode="rceil"), 128,
                "DeepSeek-V3 activation caching: E4M3 1x128 with power-of-two scales"),
+        _block("e5m6_block128", E5M6, scaling.AbsMaxScale(), 128,
+               "DeepSeek-V3's E5M6 for the attention output, 1x128 with float32 abs-max scales "
+               "(the paper gives the element format; the scaling here is fp8_block128's)"),
         _block("int8_block128", INT8, scaling.AbsMaxScale(), 128,
                "symmetric INT8, one float32 scale per 128 (Nemotron 3 Ultra's SSM-state cache)"),
         Format(name="int4", element=INT4, scaling=scaling.AbsMaxScale(), granularity="channel",

@@ -108,11 +108,11 @@ def round_nearest(v: jax.Array, fmt: ElementFormat) -> jax.Array:
     v = v.astype(jnp.float32)
     if fmt.kind == "int":
         return saturate(jnp.round(v), fmt)
-    if fmt.bits > 8:
+    if fmt.bits > 8 and fmt.is_storage_dtype:
         # BF16/FP16/FP32: XLA's convert is a single RNE rounding (not saturating).
         return v.astype(fmt.storage).astype(jnp.float32)
-    # Minifloats: exact power-of-two scaling and one RNE rounding. (Measured on XLA:CPU this is
-    # ~1.6x faster than a float8 convert, which XLA emulates in software.)
+    # Minifloats (and E5M6): exact power-of-two scaling and one RNE rounding. (Measured on
+    # XLA:CPU this is ~1.6x faster than a float8 convert, which XLA emulates in software.)
     a = jnp.minimum(jnp.abs(v), fmt.max)
     t, ulp = _float_grid_scaled(a, fmt)
     return jnp.copysign(jnp.round(t) * ulp, v)
@@ -171,7 +171,8 @@ def uniform(key: jax.Array, shape) -> jax.Array:
 def encode(q: jax.Array, fmt: ElementFormat) -> jax.Array:
     """Encode grid values ``q`` (float32, already rounded) in fmt's storage.
 
-    FP8/BF16/FP16/FP32 become that dtype (exact); integers become int8 (NaN -> 0); E2M1 and
+    FP8/BF16/FP16/FP32 become that dtype (exact; E5M6 values become FP16, exactly);
+    integers become int8 (NaN -> 0); E2M1 and
     INT4 become 4-bit codes in a uint8 (sign in bit 3 for E2M1, two's complement for INT4;
     NaN -> +0), to be packed with :func:`pack_nibbles`."""
     if fmt.kind == "int":
