@@ -3,7 +3,8 @@
 ``get(name)`` accepts:
 
 * ``bf16_mlp_saved_fp8``: BF16, the MLP layers' inputs saved for backward as E4M3 1x128
-  (Kimi K2's activation storage);
+  (Kimi K2's activation storage); ``bf16_attn_out_saved_fp8`` / ``_e5m6``: the attention
+  output (the input of attention/out) saved as E4M3 or E5M6 (DeepSeek-V3);
 * the sweep's names: ``bf16``, ``nvfp4``, ``nemotron3``, ``nemotron3_no_mxfp8`` (Mamba
   out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
   ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
@@ -31,6 +32,14 @@ NAMED = {
     "bf16_mlp_saved_fp8": lambda: PrecisionPolicy(
         rules=(Rule(name="MLP inputs saved in FP8", recipe="bf16_saved_fp8",
                     pattern=r"(?:.*/)?mlp/\w+"),), default="bf16"),
+    # DeepSeek-V3: the attention output (the input of attention's out projection) saved in
+    # E4M3 or in E5M6
+    "bf16_attn_out_saved_fp8": lambda: PrecisionPolicy(
+        rules=(Rule(name="attention output saved in FP8", recipe="bf16_saved_fp8",
+                    pattern=r"(?:.*/)?attention/out"),), default="bf16"),
+    "bf16_attn_out_saved_e5m6": lambda: PrecisionPolicy(
+        rules=(Rule(name="attention output saved in E5M6", recipe="bf16_saved_e5m6",
+                    pattern=r"(?:.*/)?attention/out"),), default="bf16"),
     "nemotron3": lambda: nemotron3(),
     "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
     "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),

@@ -274,6 +274,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _uniform("bf16_saved_fp8", "bf16", "Kimi K2: BF16 compute, the input saved for the "
              "backward pass as E4M3 in 1x128 tiles with float32 scales",
              saved_x=SavedX("fp8_block128")),
+    _uniform("bf16_saved_e5m6", "bf16", "DeepSeek-V3's attention output: BF16 compute, the "
+             "input saved for the backward pass as E5M6 1x128", saved_x=SavedX("e5m6_block128")),
 )}
 
 

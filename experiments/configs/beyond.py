@@ -1,6 +1,7 @@
 """What the seed systems claim beyond the GEMM operands, at small scale, three seeds each
 (docs/beyond_the_gemms.md): BF16 with the MLP inputs saved in FP8 (Kimi K2: no measurable
-cost), and the MTP gradient's survival through FP32 vs BF16 reduction of a shared output
+cost), the attention output saved in E4M3 vs E5M6 (DeepSeek-V3), and the MTP gradient's
+survival through FP32 vs BF16 reduction of a shared output
 layer (Nemotron 3 Ultra). Run it on 8 simulated devices, one batch row each, so that the
 reduction has replicas to reduce:
 
@@ -19,8 +20,9 @@ _MTP = {"model.mtp": True, "model.mtp_tied_head": True, "train.grad_survival": T
 def get_config():
     c = _default()
     c.sweep = ml_collections.ConfigDict(dict(
-        policies=("bf16", "bf16_mlp_saved_fp8"), seeds=3, seeded_policies=(), sizes=(),
-        compare=(),
+        policies=("bf16", "bf16_mlp_saved_fp8", "bf16_attn_out_saved_fp8",
+                  "bf16_attn_out_saved_e5m6"), seeds=3, seeded_policies=(), sizes=(),
+        compare=(("bf16_attn_out_saved_e5m6", "bf16_attn_out_saved_fp8"),),
         variants=({"name": "base"},
                   {"name": "mtp_fp32", "train.grad_reduce": "fp32", **_MTP},
                   {"name": "mtp_bf16_head", "train.grad_reduce": "fp32",
