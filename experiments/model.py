@@ -22,6 +22,13 @@ gated RMSNorm ``norm(y * silu(z))``; ``out_proj``.
 Compute runs in ``dtype`` (BF16 by default) on FP32 parameters (the master weights); the
 scan, norms, softmax and loss run in FP32.
 
+Precision decisions beyond the GEMMs, all off by default (docs/beyond_the_gemms.md):
+``attention="flash"`` (``fp4lab.attention`` with ``attention_accumulate`` and
+``attention_saved``), ``ssm_state_format`` / ``ssm_state_rounding`` (the Mamba-2 recurrence
+one step at a time with its state stored in a format), ``residual_format`` /
+``residual_gate`` (the residual stream stored in FP8 between blocks; gated writes), and
+``mtp_tied_head`` (the MTP logits through the main head's kernel).
+
 Activations are named with their shapes, nanodo style: ``x_BxLxD`` has the axes B, L and D
 (``2D``: one axis of size 2 * D; ``1``: a broadcast axis). The letters:
 
