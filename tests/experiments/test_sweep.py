@@ -239,7 +239,7 @@ def test_config_overrides_are_typed_and_checked():
         apply_overrides(c, ["train.stepz=3"])
     with pytest.raises(ValueError, match="key=value"):
         apply_overrides(c, ["train.steps"])
-    with pytest.raises(FileNotFoundError, match="configs here: ablations, bpe, default"):
+    with pytest.raises(FileNotFoundError, match="configs here: ablations, beyond, bpe, default"):
         load_config("nope")
 
 
