@@ -67,7 +67,7 @@ def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict]:
     """A finished run's config and the parameters of its latest checkpoint."""
     from experiments.train import _build, _Checkpoints
 
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()  # orbax reads absolute paths only
     stored = workdir / "config.json"
     if not stored.exists():
         raise FileNotFoundError(f"{str(workdir)!r} holds no run (no config.json)")

@@ -13,11 +13,12 @@ from experiments.train import train
 
 
 @pytest.mark.slow
-def test_rollout_mismatch_of_a_trained_run(tiny, corpus_dir, tmp_path):
+def test_rollout_mismatch_of_a_trained_run(tiny, corpus_dir, tmp_path, monkeypatch):
     tiny.data.paths = (str(corpus_dir),)
     tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
     train(tiny, tmp_path / "run", progress=False)
-    records = rollout.measure_run(tmp_path / "run", batches=1, sample=4,
+    monkeypatch.chdir(tmp_path)  # a relative run folder, as on the command line
+    records = rollout.measure_run("run", batches=1, sample=4,
                                   precisions=("nvfp4", "fp16"), groups=("all", "head"))
     got = {(r["mode"], r["precision"], r["group"]): r for r in records}
     assert set(got) == {(m, p, g) for m in rollout.MODES for p, g in (
@@ -31,7 +32,7 @@ def test_rollout_mismatch_of_a_trained_run(tiny, corpus_dir, tmp_path):
     assert "| teacher | nvfp4 | head | 1 |" in md
     assert json.loads(json.dumps(records)) == records
     with pytest.raises(ValueError, match="--sample 32"):
-        rollout.measure_run(tmp_path / "run", sample=tiny.data.seq_len)
+        rollout.measure_run("run", sample=tiny.data.seq_len)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         rollout.load_run(tmp_path)
 
