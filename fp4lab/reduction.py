@@ -96,6 +96,12 @@ def all_reduce(x, axis_name: str, mode: str):
     """The sum of ``x`` over the replicas along ``axis_name`` (inside ``shard_map`` or
     ``pmap``) as ``mode`` computes it; every replica gets the same bits."""
     check_mode(mode)
+    try:
+        lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"all_reduce over {axis_name!r}: no mapped axis of that name here; "
+                         "call it inside shard_map or pmap over it (reduce_stacked reduces "
+                         "stacked contributions without one)") from None
     wire = x.astype(jnp.float32) if mode == "fp32" else _bf16(x.astype(jnp.float32)).astype(
         jnp.bfloat16)  # all-gather what travels (BF16 modes: 2 bytes an element)
     return reduce_stacked(lax.all_gather(wire, axis_name), mode)

@@ -143,3 +143,5 @@ def test_bad_modes_are_named():
         reduce_stacked(np.zeros((2, 3)), "fp16")
     with pytest.raises(ValueError, match="replicas"):
         reduce_stacked(np.float32(1.0), "fp32")
+    with pytest.raises(ValueError, match="all_reduce over 'data': no mapped axis"):
+        jax.jit(lambda x: all_reduce(x, "data", "bf16_ring"))(np.zeros(4, np.float32))
