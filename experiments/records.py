@@ -44,6 +44,16 @@ def write_json_atomic(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
 
 
+def write_report(out, name: str, records: list[dict], markdown: str) -> None:
+    """An analysis's results in ``out``: ``<name>.json`` (every record) and ``<name>.md``
+    (its summary), each written atomically; the summary is printed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / f"{name}.json", records)
+    write_atomic(out / f"{name}.md", markdown)
+    print(markdown)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():

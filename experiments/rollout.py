@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -45,13 +46,14 @@ import ml_collections
 import numpy as np
 
 from experiments.model import HybridLM
-from experiments.records import write_atomic, write_json_atomic
+from experiments.records import write_report
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 from fp4lab.mismatch import mismatch_metrics
 from fp4lab.policy import PrecisionPolicy, Rule
 
-__all__ = ["GROUPS", "PRECISIONS", "load_run", "rollout_policy", "measure_run", "main"]
+__all__ = ["GROUPS", "PRECISIONS", "load_run", "rollout_policy", "token_log_probs",
+           "sample_tokens", "measure_run", "report", "main"]
 
 PRECISIONS = ("fp8_blockwise", "mxfp8", "nvfp4", "fp16")
 GROUPS = {  # layer paths of experiments.model.HybridLM
@@ -91,7 +93,7 @@ def rollout_policy(precision: str, group: str) -> PrecisionPolicy:
                            default="bf16", name=f"{precision}:{group}")
 
 
-def _log_probs(logits, targets):
+def token_log_probs(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
@@ -114,7 +116,8 @@ def _forward(cfg, precision: str, group: str):
     return jax.jit(f)
 
 
-def _sample(forward, params, tokens, n: int, key):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def sample_tokens(forward, params, tokens, n: int, key):
     """``n`` tokens sampled after the first ``L - n`` of each row (full causal forwards:
     later positions do not influence earlier logits); returns the tokens and the sampled
     tokens' log-probabilities under the sampling model ``[B, n]``."""
@@ -125,7 +128,7 @@ def _sample(forward, params, tokens, n: int, key):
         toks, logps = carry
         logits = forward(params, toks)[:, start + i - 1]
         nxt = jax.random.categorical(jax.random.fold_in(key, i), logits)
-        logp = _log_probs(logits, nxt)
+        logp = token_log_probs(logits, nxt)
         return toks.at[:, start + i].set(nxt), logps.at[:, i].set(logp)
 
     return jax.lax.fori_loop(0, n, body, (tokens, jnp.zeros((tokens.shape[0], n))))
@@ -149,19 +152,18 @@ def measure_run(workdir, *, batches: int = 4, sample: int = 0,
     tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
     targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
     trainer = _forward(cfg, "bf16", "all")
-    logp_train = _log_probs(trainer(params, tokens), targets)
+    logp_train = token_log_probs(trainer(params, tokens), targets)
     key = jax.random.key(config.seed)
     out = []
     for precision in precisions:
         for group in (("all",) if precision == "fp16" else groups):
             rollout = _forward(cfg, precision, group)
-            logp_rollout = _log_probs(rollout(params, tokens), targets)
+            logp_rollout = token_log_probs(rollout(params, tokens), targets)
             records = [("teacher", mismatch_metrics(logp_train, logp_rollout))]
             if sample:
-                toks, logp_gen = jax.jit(_sample, static_argnums=(0, 3))(
-                    rollout, params, tokens, sample, key)
+                toks, logp_gen = sample_tokens(rollout, params, tokens, sample, key)
                 # positions L-1-n ... L-2 predict the sampled tokens at L-n ... L-1
-                logp_tr = _log_probs(trainer(params, toks)[:, :-1], toks[:, 1:])[:, -sample:]
+                logp_tr = token_log_probs(trainer(params, toks)[:, :-1], toks[:, 1:])[:, -sample:]
                 records.append(("sampled", mismatch_metrics(logp_tr, logp_gen)))
             for mode, m in records:
                 out.append({"run": str(workdir), "seed": config.seed, "mode": mode,
@@ -215,12 +217,7 @@ def main(argv=None) -> int:
         rollout_policy("mxfp8", g)
     records = [r for run in args.run for r in measure_run(
         run, batches=args.batches, sample=args.sample, precisions=precisions, groups=groups)]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "mismatch.json", records)
-    md = report(records)
-    write_atomic(out / "mismatch.md", md)
-    print(md)
+    write_report(args.out, "mismatch", records, report(records))
     return 0
 
 

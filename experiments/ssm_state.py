@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.model import HybridLM
-from experiments.records import write_atomic, write_json_atomic
-from experiments.rollout import _log_probs, _sample, load_run
+from experiments.records import write_report
+from experiments.rollout import load_run, sample_tokens, token_log_probs
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 
@@ -86,11 +85,10 @@ def measure_run(workdir, *, batches: int = 2, sample: int = 0, variants=VARIANTS
     ref_logits = ref_fn(params, tokens)
     parallel = _model(cfg, "", "nearest", key)(params, tokens)
     ref_logp = jax.nn.log_softmax(ref_logits, axis=-1)
-    ref_loss = -float(jnp.mean(_log_probs(ref_logits, targets)))
+    ref_loss = -float(jnp.mean(token_log_probs(ref_logits, targets)))
     ref_len = None
     if sample:
-        ref_toks, _ = jax.jit(_sample, static_argnums=(0, 3))(ref_fn, params, tokens, sample,
-                                                              key)
+        ref_toks, _ = sample_tokens(ref_fn, params, tokens, sample, key)
         ref_len = _line_length(ref_toks[:, -sample:])
     out = []
     quarters = np.array_split(np.arange(tokens.shape[1]), 4)
@@ -99,7 +97,7 @@ def measure_run(workdir, *, batches: int = 2, sample: int = 0, variants=VARIANTS
         logits = fn(params, tokens)
         logp = jax.nn.log_softmax(logits, axis=-1)
         kl_BxL = np.asarray(jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1))
-        loss = -float(jnp.mean(_log_probs(logits, targets)))
+        loss = -float(jnp.mean(token_log_probs(logits, targets)))
         rec = {"run": str(workdir), "seed": config.seed, "format": fmt, "rounding": rounding,
                "kl": float(kl_BxL.mean()),
                "kl_by_quarter": [float(kl_BxL[:, q].mean()) for q in quarters],
@@ -108,7 +106,7 @@ def measure_run(workdir, *, batches: int = 2, sample: int = 0, variants=VARIANTS
                "fp32_recurrent_vs_parallel_max_abs_logit": float(
                    jnp.max(jnp.abs(ref_logits - parallel)))}
         if sample:
-            toks, _ = jax.jit(_sample, static_argnums=(0, 3))(fn, params, tokens, sample, key)
+            toks, _ = sample_tokens(fn, params, tokens, sample, key)
             length = _line_length(toks[:, -sample:])
             rec.update(line_length=float(length.mean()), reference_line_length=float(
                 ref_len.mean()), **{"length_change_%": float(
@@ -147,12 +145,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     records = [r for run in args.run for r in measure_run(run, batches=args.batches,
                                                           sample=args.sample)]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "ssm_state.json", records)
-    md = report(records)
-    write_atomic(out / "ssm_state.md", md)
-    print(md)
+    write_report(args.out, "ssm_state", records, report(records))
     return 0
 
 

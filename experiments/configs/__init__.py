@@ -11,8 +11,8 @@ from pathlib import Path
 
 import ml_collections
 
-__all__ = ["load_config", "apply_overrides", "config_changes", "format_changes", "describe_keys",
-           "CONFIG_DIR"]
+__all__ = ["load_config", "apply_overrides", "sweep_section", "config_changes",
+           "format_changes", "describe_keys", "CONFIG_DIR"]
 
 CONFIG_DIR = Path(__file__).parent
 
@@ -22,6 +22,20 @@ def _load_module(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def sweep_section(policies, **keys) -> ml_collections.ConfigDict:
+    """A sweep config's ``sweep`` section (``experiments.sweep``): ``policies`` and, where
+    given, ``seeds`` (a count, 1 by default, or a list of seeds), ``seeded_policies`` (the
+    policies run under every seed; () = all), ``sizes``, ``variants`` and ``compare`` (()
+    each; docs/experiments.md)."""
+    section = dict(policies=tuple(policies), seeds=1, seeded_policies=(), sizes=(),
+                   variants=(), compare=())
+    unknown = sorted(set(keys) - set(section))
+    if unknown:
+        raise KeyError(f"sweep_section: unknown keys {unknown}; known: {', '.join(section)}")
+    section.update(keys)
+    return ml_collections.ConfigDict(section, type_safe=False)  # seeds: an int or a tuple
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:

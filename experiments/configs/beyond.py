@@ -9,8 +9,7 @@ reduction has replicas to reduce:
         python -m experiments.sweep --config beyond --out results/beyond
 """
 
-import ml_collections
-
+from experiments.configs import sweep_section
 from experiments.configs.default import get_config as _default
 
 _MTP = {"model.mtp": True, "model.mtp_tied_head": True, "train.grad_survival": True,
@@ -19,13 +18,11 @@ _MTP = {"model.mtp": True, "model.mtp_tied_head": True, "train.grad_survival": T
 
 def get_config():
     c = _default()
-    c.sweep = ml_collections.ConfigDict(dict(
-        policies=("bf16", "bf16_mlp_saved_fp8", "bf16_attn_out_saved_fp8",
-                  "bf16_attn_out_saved_e5m6"), seeds=3, seeded_policies=(), sizes=(),
-        compare=(("bf16_attn_out_saved_e5m6", "bf16_attn_out_saved_fp8"),),
+    c.sweep = sweep_section(
+        ("bf16", "bf16_mlp_saved_fp8", "bf16_attn_out_saved_fp8", "bf16_attn_out_saved_e5m6"),
+        seeds=3, compare=(("bf16_attn_out_saved_e5m6", "bf16_attn_out_saved_fp8"),),
         variants=({"name": "base"},
                   {"name": "mtp_fp32", "train.grad_reduce": "fp32", **_MTP},
                   {"name": "mtp_bf16_head", "train.grad_reduce": "fp32",
-                   "train.grad_reduce_rules": (("head/.*", "bf16_ring"),), **_MTP})),
-        type_safe=False)
+                   "train.grad_reduce_rules": (("head/.*", "bf16_ring"),), **_MTP}))
     return c

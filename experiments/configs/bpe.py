@@ -7,16 +7,12 @@ NVFP4's head numerics matter); three seeds (about 12 minutes on 2 CPU cores).
     python -m experiments.sweep --config bpe --out results/bpe
 """
 
-import ml_collections
-
+from experiments.configs import sweep_section
 from experiments.configs.default import get_config as _default
 
 
 def get_config():
     c = _default()
     c.data.tokens = "results/tokens/stdlib-bpe4096/train.bin"
-    c.sweep = ml_collections.ConfigDict(dict(
-        policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), sizes=(),
-        compare=(),
-        variants=()), type_safe=False)
+    c.sweep = sweep_section(("bf16", "nvfp4", "nemotron3"), seeds=3)
     return c

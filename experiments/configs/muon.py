@@ -7,17 +7,13 @@ seed.
     python -m experiments.sweep --config muon --out results/muon
 """
 
-import ml_collections
-
+from experiments.configs import sweep_section
 from experiments.configs.default import get_config as _default
 
 
 def get_config():
     c = _default()
-    c.sweep = ml_collections.ConfigDict(dict(
-        policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), sizes=(),
-        compare=(),
-        variants=({"name": "adamw", "train.optimizer": "adamw"},
-                  {"name": "muon", "train.optimizer": "muon"})),
-        type_safe=False)
+    c.sweep = sweep_section(("bf16", "nvfp4", "nemotron3"), seeds=3,
+                            variants=({"name": "adamw", "train.optimizer": "adamw"},
+                                      {"name": "muon", "train.optimizer": "muon"}))
     return c

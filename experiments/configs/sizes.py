@@ -5,17 +5,13 @@ and 128 of the default six-block model under bf16, nvfp4 and nemotron3, three se
     python -m experiments.sweep --config sizes --out results/sizes
 """
 
-import ml_collections
-
+from experiments.configs import sweep_section
 from experiments.configs.default import get_config as _default
 
 
 def get_config():
     c = _default()
-    c.sweep = ml_collections.ConfigDict(dict(
-        policies=("bf16", "nvfp4", "nemotron3"), seeds=3, seeded_policies=(), variants=(),
-        compare=(),
-        sizes=({"name": "d32", "d_model": 32}, {"name": "d64", "d_model": 64},
-               {"name": "d128", "d_model": 128})),
-        type_safe=False)
+    c.sweep = sweep_section(("bf16", "nvfp4", "nemotron3"), seeds=3,
+                            sizes=({"name": "d32", "d_model": 32}, {"name": "d64", "d_model": 64},
+                                   {"name": "d128", "d_model": 128}))
     return c

@@ -45,7 +45,7 @@ def test_sampling_keeps_the_prompt_and_returns_the_sampled_log_probs():
         return params[tokens]
 
     tokens = jnp.array([[1, 2, 3, 0, 0, 0], [4, 4, 1, 0, 0, 0]])
-    out, logp = rollout._sample(jax.jit(forward), table, tokens, n, jax.random.key(0))
+    out, logp = rollout.sample_tokens(jax.jit(forward), table, tokens, n, jax.random.key(0))
     np.testing.assert_array_equal(out[:, :length - n], tokens[:, :length - n])
     want = jax.nn.log_softmax(table[out[:, length - n - 1:-1]], axis=-1)
     np.testing.assert_allclose(logp, np.take_along_axis(
