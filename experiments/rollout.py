@@ -65,8 +65,8 @@ GROUPS = {  # layer paths of experiments.model.HybridLM
 MODES = ("teacher", "sampled")
 
 
-def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict]:
-    """A finished run's config and the parameters of its latest checkpoint."""
+def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict, object]:
+    """A finished run's config, the parameters of its latest checkpoint, and its data."""
     from experiments.train import _build, _Checkpoints
 
     workdir = Path(workdir).resolve()  # orbax reads absolute paths only
@@ -78,7 +78,7 @@ def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict]:
     if ckpt.latest() is None:
         raise FileNotFoundError(f"{str(workdir)!r} has no checkpoint to read parameters from")
     setup = _build(config, None)
-    return config, ckpt.restore(setup.state).params
+    return config, ckpt.restore(setup.state).params, setup.data
 
 
 def rollout_policy(precision: str, group: str) -> PrecisionPolicy:
@@ -137,18 +137,14 @@ def sample_tokens(forward, params, tokens, n: int, key):
 def measure_run(workdir, *, batches: int = 4, sample: int = 0,
                 precisions=PRECISIONS, groups=tuple(GROUPS)) -> list[dict]:
     """Mismatch metrics of one run: a record per mode, precision and group."""
-    from experiments.data import load_data
     from experiments.step import model_config
 
-    config, params = load_run(workdir)
+    config, params, data = load_run(workdir)
     d = config.data
     if sample and not 0 < sample < d.seq_len:
         raise ValueError(f"--sample {sample} must be in (0, data.seq_len={d.seq_len})")
-    data = load_data(d)
     val = data.val_batches(batches, d.batch_size, d.seq_len)
-    # the model as the run trained it (the vocabulary covers the data's, experiments.train)
-    cfg = dataclasses.replace(model_config(config),
-                              vocab=max(config.model.vocab, data.vocab_size))
+    cfg = model_config(config, data)  # the model as the run trained it
     tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
     targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
     trainer = _forward(cfg, "bf16", "all")

@@ -65,16 +65,13 @@ def _line_length(tokens_BxN) -> np.ndarray:
 
 def measure_run(workdir, *, batches: int = 2, sample: int = 0, variants=VARIANTS) -> list[dict]:
     """One record per state format and rounding of the run in ``workdir``."""
-    from experiments.data import load_data
     from experiments.step import model_config
 
-    config, params = load_run(workdir)
+    config, params, data = load_run(workdir)
     d = config.data
     if sample and not 0 < sample < d.seq_len:
         raise ValueError(f"--sample {sample} must be in (0, data.seq_len={d.seq_len})")
-    data = load_data(d)
-    cfg = dataclasses.replace(model_config(config),
-                              vocab=max(config.model.vocab, data.vocab_size))
+    cfg = model_config(config, data)
     if "M" not in cfg.pattern:
         raise ValueError(f"model.pattern={cfg.pattern!r} has no Mamba block")
     val = data.val_batches(batches, d.batch_size, d.seq_len)

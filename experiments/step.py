@@ -43,8 +43,12 @@ class TrainState:
     amax_history: dict | None = None
 
 
-def model_config(config) -> ModelConfig:
-    return ModelConfig(**dict(config.model))
+def model_config(config, data=None) -> ModelConfig:
+    """The model a config trains; with its ``data``, the vocabulary covers the data's (a token
+    file's ids; bytes: 256), as training builds it."""
+    cfg = ModelConfig(**dict(config.model))
+    return cfg if data is None else dataclasses.replace(cfg,
+                                                        vocab=max(cfg.vocab, data.vocab_size))
 
 
 def _cross_entropy(logits_BxLxV, targets_BxL, weights_BxL):
@@ -97,10 +101,6 @@ class GradReduce:
         return next((m for pattern, m in self.rules if re.fullmatch(pattern, path)), self.mode)
 
 
-def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in keys)
-
-
 def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None, *,
                  with_local: bool = False):
     """``grads(params, probes, history, tokens, weights, key) -> ((loss, main), (grads,
@@ -142,7 +142,8 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
         key = jax.random.fold_in(key, i)
         (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights, key)
         reduced = jax.tree_util.tree_map_with_path(
-            lambda path, g: all_reduce(g, "data", reduce.mode_of(_path(path))) / n, grads)
+            lambda path, g: all_reduce(g, "data", reduce.mode_of(
+                jax.tree_util.keystr(path, simple=True, separator="/"))) / n, grads)
         seen = None if seen is None else jax.tree.map(lambda a: jax.lax.pmax(a, "data"), seen)
         extra = survival(params, history, tokens, weights, key) if reduce.survival else {}
         out = ((jax.lax.psum(loss, "data") / n, jax.lax.psum(main, "data") / n),

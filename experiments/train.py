@@ -228,9 +228,7 @@ def _build(config, data: TextData | None) -> _Setup:
     policy = policies.get(config.precision.policy)
     if data is None:
         data = load_data(d)
-    # the vocabulary covers the data's (a token file's ids; bytes: 256)
-    model = HybridLM(dataclasses.replace(model_config(config),
-                                         vocab=max(config.model.vocab, data.vocab_size)))
+    model = HybridLM(model_config(config, data))
     devices = jax.devices()
     _check(config, data, len(devices))
     place = _Placement.over(devices)
