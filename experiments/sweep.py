@@ -9,7 +9,9 @@ For every policy in ``sweep.policies`` and seed in ``sweep.seeds`` it trains one
 (dicts of dotted config keys with a ``name`` and optionally their own ``policies``, e.g.
 ``{"name": "late10", "train.bf16_last_fraction": 0.1, "policies": ("nvfp4",)}``) repeat the
 grid per point, in ``<out>/runs/<size>-<variant>/``; gaps are taken against the ``bf16``
-run of the same point (of the first variant of its size when the point runs no ``bf16``).
+run of the same point (of the first variant of its size when the point runs no ``bf16``, of
+the variant a ``baseline_variant`` key names when the variant's own change is what costs:
+``{"name": "fp8res", "model.residual_format": "e4m3", "baseline_variant": "base"}``).
 From every run's ``result.json`` it then writes:
 
 * ``results.csv`` and ``results.md``: per policy (and point) the final train and validation
@@ -85,10 +87,14 @@ class Variant(NamedTuple):
     reference: str | None  # the variant its gaps are compared with (None: it is the first)
 
 
-def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, tuple | None]]:
-    """``(name, overrides, policies or None)`` of the ``sweep.sizes`` or ``sweep.variants``
-    entries (dicts of dotted config keys; in a size, a key without a dot is a ``model`` key;
-    ``name`` and, in a variant, ``policies`` are not config keys)."""
+_VARIANT_KEYS = ("policies", "baseline_variant", "reference_variant")  # not config keys
+
+
+def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, dict]]:
+    """``(name, overrides, plan keys)`` of the ``sweep.sizes`` or ``sweep.variants`` entries
+    (dicts of dotted config keys; in a size, a key without a dot is a ``model`` key; ``name``
+    and, in a variant, the plan keys ``policies``, ``baseline_variant`` and
+    ``reference_variant`` are not config keys)."""
     out = []
     for k, entry in enumerate(entries):
         if not isinstance(entry, dict) or not entry:
@@ -96,7 +102,7 @@ def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, tu
                              "keys (and a 'name')")
         entry = dict(entry)
         name = entry.pop("name", None)
-        policies = None if size else entry.pop("policies", None)
+        plan = {} if size else {k: entry.pop(k) for k in _VARIANT_KEYS if k in entry}
         overrides = {(f"model.{key}" if size and "." not in key else key): v
                      for key, v in entry.items()}
         if name is None:
@@ -106,9 +112,10 @@ def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, tu
         if not isinstance(name, str) or run_name(name) != name:
             raise ValueError(f"sweep.{what}[{k}]: name {name!r} must be a folder name "
                              "(letters, digits, '_', '.', '+', '-')")
-        if policies is not None:
-            policies = (policies,) if isinstance(policies, str) else tuple(policies)
-        out.append((name, overrides, policies))
+        if "policies" in plan:
+            policies = plan["policies"]
+            plan["policies"] = (policies,) if isinstance(policies, str) else tuple(policies)
+        out.append((name, overrides, plan))
     if len({n for n, _, _ in out}) != len(out):
         raise ValueError(f"sweep.{what} has duplicate names: {[n for n, _, _ in out]}")
     return out
@@ -116,29 +123,48 @@ def _named_points(entries, what: str, *, size: bool) -> list[tuple[str, dict, tu
 
 def sweep_variants(config, baseline: str = "bf16") -> list[Variant]:
     """Every size crossed with every variant (sizes outer), with their names joined by
-    ``-``; no sizes and no variants: one plain variant named ``""``. A variant whose
-    policies do not include the baseline takes its gaps from the baseline of the first
-    variant of its size (none there: no gaps); a later variant's gaps are compared with the
-    first variant's of its size, and the first variant of a later size with the first
-    size's."""
-    sizes = _named_points(config.sweep.get("sizes", ()), "sizes", size=True) or [("", {}, None)]
+    ``-``; no sizes and no variants: one plain variant named ``""``.
+
+    A variant's gaps are taken against the baseline run of its own point; of the first
+    variant of its size when its policies do not include the baseline (none there: no
+    gaps); of the variant named by its ``baseline_variant`` key when it has one (a change
+    whose cost is the question: an FP8 residual stream, measured against the plain model's
+    ``bf16`` runs). A later variant's gaps are compared with the first variant's of its
+    size, or with its ``reference_variant``'s, and the first variant of a later size with
+    the first size's. Both keys name earlier variants (without the size)."""
+    sizes = _named_points(config.sweep.get("sizes", ()), "sizes", size=True) or [("", {}, {})]
     points = _named_points(config.sweep.get("variants", ()), "variants", size=False) or [
-        ("", {}, None)]
+        ("", {}, {})]
     default = tuple(config.sweep.policies)
     out = []
     for i, (size, size_over) in enumerate((s, o) for s, o, _ in sizes):
-        first = None
-        for j, (name, over, policies) in enumerate(points):
+        first, seen = None, {}
+
+        def earlier(name, plan, key):
+            if plan[key] not in seen:
+                raise ValueError(f"sweep.variants {name!r}: {key}={plan[key]!r} is not an "
+                                 f"earlier variant (earlier: {list(seen) or 'none'})")
+            return seen[plan[key]]
+
+        for j, (name, over, plan) in enumerate(points):
             full = "-".join(n for n in (size, name) if n)
             clash = set(size_over) & set(over)
             if clash:
                 raise ValueError(f"sweep.sizes and sweep.variants both set {sorted(clash)}")
-            policies = policies or default
+            policies = plan.get("policies") or default
             first = first or (full, policies)
             reference = None if i == 0 and j == 0 else (
                 first[0] if j else "-".join(n for n in (sizes[0][0], name) if n))
-            out.append(Variant(full, {**size_over, **over}, policies, size,
-                               full if baseline in policies else first[0], reference))
+            base = full if baseline in policies else first[0]
+            if "baseline_variant" in plan:
+                base, base_policies = earlier(name, plan, "baseline_variant")
+                if baseline not in base_policies:
+                    raise ValueError(f"sweep.variants {name!r}: baseline_variant="
+                                     f"{plan['baseline_variant']!r} runs no {baseline!r}")
+            if "reference_variant" in plan:
+                reference = earlier(name, plan, "reference_variant")[0]
+            seen[name] = (full, policies)
+            out.append(Variant(full, {**size_over, **over}, policies, size, base, reference))
     return out
 
 
@@ -389,7 +415,8 @@ def difference_table(results: list[dict], baseline: str = "bf16") -> tuple[list[
     rows = []
     for (variant, policy), runs in groups.items():
         ref = runs[0].get("reference_variant")
-        if policy == baseline or ref is None or (ref, policy) not in groups:
+        if (_base_key((variant, policy), runs, baseline) == (variant, policy) or ref is None
+                or (ref, policy) not in groups):
             continue
         there = groups[(ref, policy)]
         d = gap_difference(
@@ -545,7 +572,7 @@ def plot_loss_gaps(results, runs_dir: Path, path: Path, baseline: str = "bf16"):
     fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
     for key, runs in groups.items():
-        if key[1] == baseline:
+        if _base_key(key, runs, baseline) == key:
             continue
         gaps, steps = _relative_gaps(runs, groups.get(_base_key(key, runs, baseline), []),
                                      runs_dir)
@@ -575,7 +602,7 @@ def plot_gap_intervals(results, path: Path, baseline: str = "bf16"):
     for key, runs in groups.items():
         ok = _val_by_seed(runs)
         base = _val_by_seed(groups.get(_base_key(key, runs, baseline), []))
-        if key[1] != baseline and ok and base:
+        if _base_key(key, runs, baseline) != key and ok and base:
             rows.append((_label(key), paired_gap(ok, base)))
     if not rows:
         return
@@ -605,7 +632,7 @@ def plot_gap_vs_size(results, path: Path, baseline: str = "bf16"):
     lines: dict[str, list] = {}
     for key, runs in groups.items():
         ok, size = _ok(runs), runs[0].get("size", "")
-        if key[1] == baseline or not ok or not size or "params" not in ok[0]:
+        if _base_key(key, runs, baseline) == key or not ok or not size or "params" not in ok[0]:
             continue
         gap = paired_gap(_val_by_seed(ok), _val_by_seed(groups.get(
             _base_key(key, runs, baseline), [])))

@@ -346,6 +346,51 @@ def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
         sweep.run_sweep(config, tmp_path, progress=False)
 
 
+def test_baseline_and_reference_variants_name_whose_runs_a_variant_is_measured_against(
+        tmp_path, monkeypatch):
+    """A change whose own cost is the question (an FP8 residual stream) takes its gaps from an
+    earlier variant's bf16 runs, and a variant can be compared with any earlier one."""
+    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=3"])
+    config.sweep.variants = (
+        {"name": "base"},
+        {"name": "wide", "model.d_model": 48, "baseline_variant": "base"},
+        {"name": "late", "train.bf16_last_fraction": 0.2, "policies": "nvfp4"},
+        {"name": "wide_late", "model.d_model": 48, "train.bf16_last_fraction": 0.2,
+         "policies": ("nvfp4",), "baseline_variant": "wide", "reference_variant": "late"})
+    v = {x.name: x for x in sweep.sweep_variants(config)}
+    assert [(x.base, x.reference) for x in v.values()] == [
+        ("base", None), ("base", "base"), ("base", "base"), ("wide", "late")]
+    results = sweep.run_sweep(config, tmp_path, progress=False)
+    val = {(r["variant"], r["policy"], r["seed"]): r["val_loss"] for r in results}
+
+    def gaps(variant, policy, base):
+        return np.array([100 * (val[(variant, policy, s)] - val[(base, "bf16", s)])
+                         / val[(base, "bf16", s)] for s in range(3)])
+
+    header, rows = sweep.results_table(results)
+    table = {(r[0], r[1]): dict(zip(header, r)) for r in rows}
+    wide = table[("wide", "bf16")]  # the baseline policy, measured against another variant
+    assert wide["val gap vs bf16 %"] == round(float(gaps("wide", "bf16", "base").mean()), 2)
+    assert wide["val gap vs bf16 %"] < 0 and wide["gap 95% CI"]  # wider is better here
+    assert table[("base", "bf16")]["gap 95% CI"] == ""  # the baseline itself
+    d_header, d_rows = sweep.difference_table(results)
+    diffs = {(r[0], r[1]): dict(zip(d_header, r)) for r in d_rows}
+    assert ("bf16", "base") not in diffs and ("bf16", "wide") in diffs
+    d = gaps("wide_late", "nvfp4", "wide") - gaps("late", "nvfp4", "base")
+    row = diffs[("nvfp4", "wide_late")]
+    assert row["vs variant"] == "late" and row["difference %"] == round(float(d.mean()), 2)
+    for bad, error in (({"baseline_variant": "later"}, "not an earlier variant"),
+                       ({"reference_variant": "wide"}, r"earlier: \['base'\]"),
+                       ({"baseline_variant": "late"}, "runs no 'bf16'")):
+        config.sweep.variants = (
+            {"name": "base"}, {"name": "late", "train.lr": 0.1, "policies": "nvfp4"}
+            if "late" in bad.values() else {"name": "x", "train.lr": 0.1, **bad},
+            {"name": "y", "train.lr": 0.2, **bad}, {"name": "wide", "model.d_model": 32})
+        with pytest.raises(ValueError, match=error):
+            sweep.sweep_variants(config)
+
+
 def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "train", _fake_variant_train)
     config = load_config("sweep_tiny")
