@@ -26,8 +26,9 @@ Precision decisions beyond the GEMMs, all off by default (docs/beyond_the_gemms.
 ``attention="flash"`` (``fp4lab.attention`` with ``attention_accumulate`` and
 ``attention_saved``), ``ssm_state_format`` / ``ssm_state_rounding`` (the Mamba-2 recurrence
 one step at a time with its state stored in a format), ``residual_format`` /
-``residual_gate`` (the residual stream stored in FP8 between blocks; gated writes), and
-``mtp_tied_head`` (the MTP logits through the main head's kernel).
+``residual_gate`` (the residual stream stored in FP8 between blocks; gated writes),
+``mlp_saved`` (the squared ReLU recomputed in the backward pass from its input stored in a
+format) and ``mtp_tied_head`` (the MTP logits through the main head's kernel).
 
 Activations are named with their shapes, nanodo style: ``x_BxLxD`` has the axes B, L and D
 (``2D``: one axis of size 2 * D; ``1``: a broadcast axis). The letters:
@@ -132,6 +133,9 @@ class ModelConfig:
     # residual writes x + sigmoid(g) * mixer(norm(x)) (g per channel, from 0)
     residual_format: str = ""
     residual_gate: bool = False
+    # the MLP's squared ReLU kept for the backward pass as its input in this format and
+    # recomputed from it (fp4lab.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
+    mlp_saved: str = ""
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -146,6 +150,10 @@ class ModelConfig:
                              f"divisible by ssm_head_dim={self.ssm_head_dim}")
         jnp.dtype(self.dtype)  # raises for an unknown dtype name
         jnp.dtype(self.attention_saved)
+        if self.mlp_saved:
+            from fp4lab.formats import get_format
+
+            get_format(self.mlp_saved)  # raises, naming the format and the known ones
         if self.attention not in ("einsum", "flash"):
             raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
         if self.residual_format not in RESIDUAL_FORMATS:
@@ -293,6 +301,10 @@ class Attention(nn.Module):
         return _dense(d, "out", dtype)(o_BxLxD)
 
 
+def _relu2(h):
+    return jnp.square(jax.nn.relu(h))
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -300,7 +312,12 @@ class MLP(nn.Module):
     def __call__(self, x_BxLxD):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         h_BxLxF = _dense(cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
-        return _dense(x_BxLxD.shape[-1], "down", dtype)(jnp.square(jax.nn.relu(h_BxLxF)))
+        act = _relu2
+        if cfg.mlp_saved:
+            from fp4lab import recompute
+
+            act = recompute(_relu2, cfg.mlp_saved)
+        return _dense(x_BxLxD.shape[-1], "down", dtype)(act(h_BxLxF))
 
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}

@@ -8,7 +8,8 @@ exact division, packing), ``scaling`` (scale schemes), ``qarray`` (the QArray py
 ``hadamard``, ``delayed`` (FP8 amax histories), ``recipe`` (the six GEMM operands and how each
 is quantized), ``probes``, ``einsum``, ``qdot`` (the quantized GEMMs) and ``policy`` (rules
 from module paths to recipes). Beyond the GEMM operands (docs/beyond_the_gemms.md):
-``attention`` (flash-style attention with its BF16 rounding points), ``reduction``
+``saved`` (what is stored for the backward pass; ``recompute``), ``attention``
+(flash-style attention with its BF16 rounding points), ``reduction``
 (gradient-reduction precision) and ``mismatch`` (train/inference mismatch of rollouts).
 """
 
@@ -35,6 +36,7 @@ from fp4lab.qarray import QArray
 from fp4lab.attention import flash_attention
 from fp4lab.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
 from fp4lab.qdot import qdot_general, qeinsum, saved_bytes
+from fp4lab.saved import recompute
 from fp4lab.quantize import dequantize, fake_quant, quantize
 from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, Recipe, SavedX, get_recipe,
                            recipe_names)
@@ -49,7 +51,7 @@ __all__ = [
     "quant_metrics", "METRIC_NAMES", "probe_zeros", "probe_table",
     # GEMMs and recipes
     "qdot_general", "qeinsum", "Recipe", "OperandQuant", "OPERANDS", "RECIPES", "get_recipe",
-    "recipe_names", "DelayedScaling", "SavedX", "saved_bytes",
+    "recipe_names", "DelayedScaling", "SavedX", "saved_bytes", "recompute",
     # beyond the GEMM operands (fp4lab.reduction holds the gradient-reduction modes)
     "flash_attention", "mismatch_metrics", "truncated_is_weights", "token_mult_prob_error",
     # policies

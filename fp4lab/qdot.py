@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4lab import backend as _backend
+from fp4lab import saved as _saved
 from fp4lab.delayed import history_amax
 from fp4lab.hadamard import rht
 from fp4lab.einsum import plan_einsum
@@ -213,26 +214,6 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
 
-def _save_x(x, saved):
-    """X as the backward pass will find it: quantized in blocks along K (a QArray), on the
-    host with ``offload``; a zero-size array carries X's dtype."""
-    if saved is None:
-        return x
-    q = quantize(x.astype(jnp.float32), saved.format, axis=-1)
-    if saved.offload:
-        q = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), q)
-    return q, jnp.zeros((0,), x.dtype)
-
-
-def _restore_x(stored, saved):
-    if saved is None:
-        return stored
-    q, like = stored
-    if saved.offload:
-        q = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), q)
-    return dequantize(q, jnp.float32).astype(like.dtype)
-
-
 def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> dict[str, int]:
     """What :func:`qdot_general` keeps for its backward pass, in bytes (from the shapes and
     dtypes of ``lhs`` and ``rhs``, arrays or ``jax.ShapeDtypeStruct``): ``x`` (the saved
@@ -267,14 +248,14 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
     fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
                                                     ("fprop",))
-    res = (_save_x(x, recipe.saved_x), w, key) + (
+    res = (_saved.store(x, recipe.saved_x), w, key) + (
         (xq, wq) if recipe.backward == "ste" else (None, None)) + (qw, fwd_probes, history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     x, w, key, xq, wq, qw, fwd_probes, history = res
-    x = _restore_x(x, recipe.saved_x)
+    x = _saved.restore(x, recipe.saved_x)
     b, m, _, n = plan.bmkn
     dy = g.reshape(b, m, n)
     keys = operand_keys(key)

@@ -95,7 +95,7 @@ def _added_later() -> dict:
             "model.attention": "einsum", "model.attention_accumulate": "fp32",
             "model.attention_saved": "float32", "model.ssm_state_format": "",
             "model.ssm_state_rounding": "nearest", "model.residual_format": "",
-            "model.residual_gate": False}
+            "model.residual_gate": False, "model.mlp_saved": ""}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

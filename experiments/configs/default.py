@@ -20,7 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
         # the Mamba-2 state: "" (parallel scan) or a stored format (experiments/model.py)
         ssm_state_format="", ssm_state_rounding="nearest",
         # the residual stream between blocks: "", "e4m3" or "e4m3_token"; gated writes
-        residual_format="", residual_gate=False))
+        residual_format="", residual_gate=False,
+        # the MLP's squared ReLU recomputed from its input stored in a format ("" = off)
+        mlp_saved=""))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources

@@ -1,5 +1,7 @@
 """experiments.model and experiments.data: shapes, causality, the corpus, bad configs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +43,6 @@ def test_a_later_token_never_changes_an_earlier_output(model_and_params):
 
 
 def test_flash_attention_in_the_model_equals_the_einsum_attention(model_and_params):
-    import dataclasses
-
     model, params, tokens = model_and_params
     base, _ = model.apply(params, tokens)
     flash = HybridLM(dataclasses.replace(CFG, attention="flash"))
@@ -58,8 +58,6 @@ def test_flash_attention_in_the_model_equals_the_einsum_attention(model_and_para
 
 
 def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
-    import dataclasses
-
     from experiments.model import _recurrent_scan, _ssm_combine
 
     rng = np.random.default_rng(0)
@@ -91,8 +89,6 @@ def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
 
 
 def test_the_residual_stream_stored_in_fp8(model_and_params):
-    import dataclasses
-
     from experiments.model import residual_probes, store_residual
     from fp4lab.formats import E4M3
 
@@ -119,6 +115,31 @@ def test_the_residual_stream_stored_in_fp8(model_and_params):
     assert float(gp["params"]["blocks_0"]["residual_gate"].sum()) == 0.0
     with pytest.raises(ValueError, match="residual_format='fp8'"):
         ModelConfig(residual_format="fp8")
+
+
+def test_the_mlp_recomputed_from_its_stored_input(model_and_params):
+    """model.mlp_saved: the forward is unchanged, the down projection's gradient too (its
+    input is kept as it came), and the gradient into the MLP's input is the squared ReLU's
+    at the FP8-stored hidden activations (fp4lab.recompute; numerics in test_saved.py)."""
+    model, params, tokens = model_and_params
+    stored = HybridLM(dataclasses.replace(CFG, mlp_saved="fp8_block128"))
+
+    def grads(m):
+        def loss(p):
+            logits, _ = m.apply(p, tokens)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+        return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+    (g0, out0), (g1, out1) = grads(model), grads(stored)
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out0))
+    mlp0, mlp1 = g0["params"]["blocks_2"]["mlp"], g1["params"]["blocks_2"]["mlp"]
+    np.testing.assert_array_equal(np.asarray(mlp1["down"]["kernel"]),
+                                  np.asarray(mlp0["down"]["kernel"]))
+    up0, up1 = np.asarray(mlp0["up"]["kernel"]), np.asarray(mlp1["up"]["kernel"])
+    assert not np.array_equal(up0, up1)
+    assert np.linalg.norm(up1 - up0) < 0.1 * np.linalg.norm(up0)  # E4M3's rounding, not noise
+    with pytest.raises(ValueError, match="unknown format 'fp9'"):
+        ModelConfig(mlp_saved="fp9")
 
 
 def test_selective_scan_matches_a_sequential_loop():

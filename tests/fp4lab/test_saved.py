@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import fp4lab
+import numpy_ref
 from fp4lab.qdot import qdot_general, saved_bytes
 from fp4lab.recipe import SavedX, get_recipe
 
@@ -95,3 +96,81 @@ def test_bad_storage_is_named():
         SavedX("e9m9")
     with pytest.raises(ValueError, match="saved_x needs backward='quantized'"):
         dataclasses.replace(get_recipe("fp4_qat"), saved_x=SavedX())
+
+
+# ---- recompute: an elementwise block kept as Q(x) and recomputed from DQ(Q(x)) ----
+
+def _relu2(h):
+    return jnp.square(jax.nn.relu(h))
+
+
+def _hidden():
+    """BF16 MLP hidden activations of both signs with blocks of very different ranges (the
+    scales differ per 1x128 tile), an exact zero and a value at a tile's abs-max."""
+    h = np.array(jax.random.normal(jax.random.key(1), (8, 256)), np.float32)
+    h[:, 128:] *= 1e-3
+    h[0, 0], h[1, 5] = 0.0, 40.0
+    return jnp.asarray(h, jnp.bfloat16)
+
+
+def _stored_numpy(h):
+    """DQ(Q(h)) for fp8_block128 from the NumPy oracle (E4M3, float32 scale per 1x128)."""
+    codes, _, scale_inv = numpy_ref.fp8_block_quantize(np.asarray(h, np.float32), (1, 128))
+    return numpy_ref.fp8_block_dequantize(codes, scale_inv, (1, 128))
+
+
+def test_recompute_runs_the_forward_on_x_and_differentiates_at_the_stored_x():
+    h = _hidden()
+    g = jnp.asarray(np.asarray(jax.random.normal(jax.random.key(2), h.shape)), jnp.bfloat16)
+    block = fp4lab.recompute(_relu2, "fp8_block128")
+    y, vjp = jax.vjp(jax.jit(block), h)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_relu2(h), np.float32))
+    (dh,) = vjp(g)
+    # the oracle: d relu(h)^2 = g * 2 relu(h) at the stored h (each BF16 product rounds once;
+    # relu passes +0 where h <= 0)
+    hr = _stored_numpy(h).astype(jnp.bfloat16).astype(np.float32)
+    want = np.where(hr > 0, np.asarray(g, np.float32) * 2 * hr, 0.0).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dh).view(np.uint16), want.view(np.uint16))
+    plain = jax.vjp(_relu2, h)[1](g)[0]
+    assert not np.array_equal(np.asarray(dh), np.asarray(plain))  # the stored x mattered
+
+
+def test_recompute_with_a_following_gemm_recomputes_it_too():
+    h = _hidden()
+    w = (jax.random.normal(jax.random.key(3), (256, 16)) / 16).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(4), (8, 16)).astype(jnp.bfloat16)
+
+    def mlp_out(h, w):
+        return jnp.dot(_relu2(h), w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    y, vjp = jax.vjp(jax.jit(fp4lab.recompute(mlp_out, SavedX("fp8_block128"))), h, w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(mlp_out(h, w)))
+    dh, dw = vjp(g)
+    hr = jnp.asarray(_stored_numpy(h), jnp.bfloat16)
+    dh0, dw0 = jax.jit(lambda a, b, c: jax.vjp(mlp_out, a, b)[1](c))(hr, w, g)  # both jitted
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))  # wgrad sees relu(hr)^2
+    np.testing.assert_array_equal(np.asarray(dh), np.asarray(dh0))
+
+
+def test_recompute_keeps_only_the_codes_and_scales():
+    h = _hidden()
+    leaves = jax.tree.leaves(jax.jit(lambda a: jax.vjp(fp4lab.recompute(_relu2), a)[1])(h))
+    assert sorted((str(a.dtype), a.shape) for a in leaves if a.size) == [
+        ("float32", (8, 2)), ("float8_e4m3fn", (8, 256))]
+    host = fp4lab.recompute(_relu2, SavedX("fp8_block128", offload=True))
+    kinds = {(str(a.dtype), a.sharding.memory_kind)
+             for a in jax.tree.leaves(jax.jit(lambda a: jax.vjp(host, a)[1])(h)) if a.size}
+    assert kinds == {("float8_e4m3fn", "pinned_host"), ("float32", "pinned_host")}
+    np.testing.assert_array_equal(  # offload moves the codes, exactly
+        np.asarray(jax.jit(jax.grad(lambda a: host(a).astype(jnp.float32).sum()))(h)),
+        np.asarray(jax.jit(jax.grad(lambda a: fp4lab.recompute(_relu2)(a).astype(
+            jnp.float32).sum()))(h)))
+
+
+def test_recompute_names_bad_arguments():
+    with pytest.raises(ValueError, match="unknown format 'e9m9'"):
+        fp4lab.recompute(_relu2, "e9m9")
+    with pytest.raises(TypeError, match="use a format name"):
+        fp4lab.recompute(_relu2, 8)
+    with pytest.raises(TypeError, match="argument leaf 1 has dtype int32"):
+        fp4lab.recompute(lambda h, n: h * n)(_hidden(), jnp.int32(2))
