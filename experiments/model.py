@@ -59,18 +59,21 @@ SSM_STATE_FORMATS = ("", "fp32", "bf16", "fp16", "int8_block128", "fp8_block128"
 RESIDUAL_FORMATS = ("", "e4m3", "e4m3_token")
 
 
-def residual_probes(model, params, tokens_BxL) -> dict[str, dict[str, float]]:
+def residual_probes(model, params, tokens_BxL, **apply_kw) -> dict[str, dict[str, float]]:
     """Per block, what storing the residual stream in ``model.cfg.residual_format`` does to it:
-    ``saturation`` (the share of elements beyond E4M3's 448 before rounding, after the
-    per-token scale for ``e4m3_token``), ``underflow`` (nonzero values stored as 0), the
-    relative MSE and SQNR (``fp4lab.metrics.error_metrics``), and the stream's abs-max."""
+    ``saturation`` (the share of elements clipped to E4M3's 448: beyond 464, half an ulp
+    above it, after the per-token scale for ``e4m3_token``, where it is 0 by construction),
+    ``underflow`` (nonzero values stored as 0), the
+    relative MSE and SQNR (``fp4lab.metrics.error_metrics``), and the stream's abs-max.
+    ``model``: a :class:`HybridLM` or one under a policy (``fp4lab.flax.quantize_model``;
+    ``apply_kw`` then holds its ``rngs``)."""
     from fp4lab.metrics import error_metrics
 
-    fmt = model.cfg.residual_format
+    fmt = getattr(model, "model", model).cfg.residual_format
     if not fmt:
         raise ValueError("model.residual_format is '': the residual stream is not stored "
                          "in a low precision")
-    _, seen = model.apply(params, tokens_BxL, mutable=["residual"])
+    _, seen = model.apply(params, tokens_BxL, mutable=["residual"], **apply_kw)
     out = {}
     for sown, (x,) in sorted(seen["residual"].items(), key=lambda kv: int(kv[0].split("_")[-1])):
         name = sown.removeprefix("after_")
@@ -79,7 +82,7 @@ def residual_probes(model, params, tokens_BxL) -> dict[str, dict[str, float]]:
         scaled = x * (448.0 / jnp.max(jnp.abs(x), axis=-1, keepdims=True)) \
             if fmt == "e4m3_token" else x
         m = error_metrics(x, y)
-        out[name] = {"saturation": float(jnp.mean(jnp.abs(scaled) > 448.0)),
+        out[name] = {"saturation": float(jnp.mean(jnp.abs(scaled) > 464.0)),
                      "underflow": float(m["underflow"]), "rel_mse": float(m["rel_mse"]),
                      "sqnr_db": float(m["sqnr_db"]), "amax": float(jnp.max(jnp.abs(x)))}
     return out

@@ -81,6 +81,17 @@ def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict, object]:
     return config, ckpt.restore(setup.state).params, setup.data
 
 
+def analysis_parser(description: str, *, out: str, batches: int) -> argparse.ArgumentParser:
+    """The command line every analysis of trained runs shares: ``--run`` (repeated, one per
+    seed), ``--out`` and ``--batches`` (validation batches measured)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--run", action="append", required=True, help="a finished run's folder "
+                    "(repeat for several seeds)")
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--batches", type=int, default=batches, help="validation batches measured")
+    return ap
+
+
 def rollout_policy(precision: str, group: str) -> PrecisionPolicy:
     """``precision`` for the layers of ``group``, BF16 for the rest (``fp16``: FP16 GEMMs,
     the model's compute dtype is set by :func:`measure_run`)."""
@@ -194,12 +205,8 @@ def report(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Train/inference mismatch of rollouts in other "
-                                 "precisions than the trainer's.")
-    ap.add_argument("--run", action="append", required=True, help="a finished run's folder "
-                    "(repeat for several seeds)")
-    ap.add_argument("--out", default="results/rollout")
-    ap.add_argument("--batches", type=int, default=4, help="validation batches scored")
+    ap = analysis_parser("Train/inference mismatch of rollouts in other precisions than the "
+                         "trainer's.", out="results/rollout", batches=4)
     ap.add_argument("--sample", type=int, default=32, help="tokens sampled per row by the "
                     "rollout model (0: teacher-forced only)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))

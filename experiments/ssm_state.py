@@ -25,7 +25,6 @@ interval over runs of the overall KL) are written atomically to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -35,7 +34,7 @@ import numpy as np
 
 from experiments.model import HybridLM
 from experiments.records import write_report
-from experiments.rollout import load_run, sample_tokens, token_log_probs
+from experiments.rollout import analysis_parser, load_run, sample_tokens, token_log_probs
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 
@@ -133,11 +132,9 @@ def report(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="SSM state precision of a trained LM: KL to the "
-                                 "FP32 state per position, loss and length changes.")
-    ap.add_argument("--run", action="append", required=True)
-    ap.add_argument("--out", default="results/ssm_state")
-    ap.add_argument("--batches", type=int, default=2)
+    ap = analysis_parser("SSM state precision of a trained LM: KL to the FP32 state per "
+                         "position, loss and length changes.", out="results/ssm_state",
+                         batches=2)
     ap.add_argument("--sample", type=int, default=48, help="tokens sampled per row (0: off)")
     args = ap.parse_args(argv)
     records = [r for run in args.run for r in measure_run(run, batches=args.batches,

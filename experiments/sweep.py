@@ -481,8 +481,9 @@ def write_reports(results: list[dict], out: Path, compare=()) -> str:
         buf = io.StringIO()
         csv.writer(buf).writerows([d_header] + d_rows)
         write_atomic(out / "differences.csv", buf.getvalue())
-        md += ("\nGap differences between variants (each gap against its own variant's "
-               "baseline, paired by seed):\n\n" + _markdown(d_header, d_rows))
+        md += ("\nGap differences between variants (each gap against its variant's baseline "
+               "runs, or its baseline_variant's, paired by seed):\n\n"
+               + _markdown(d_header, d_rows))
     c_header, c_rows = comparison_table(results, compare)
     if c_rows:
         md += ("\nPaired comparisons between policies (relative difference of the final "

@@ -1,5 +1,6 @@
-"""experiments.rollout: the mismatch of rollout precisions against the BF16 trainer, on a
-trained tiny run; sampling; bad settings."""
+"""The analyses of a trained tiny run: experiments.rollout (the mismatch of rollout precisions
+against the BF16 trainer; sampling; bad settings), experiments.ssm_state and
+experiments.residual."""
 
 import json
 
@@ -76,3 +77,24 @@ def test_ssm_state_precision_of_a_trained_run(tiny, corpus_dir, tmp_path):
         assert 0 <= r["line_length"] <= 6
     assert records[1]["kl"] > records[0]["kl"]  # FP8 state errs more than BF16
     assert "| fp8_block128 | stochastic | 1 |" in ssm_state.report(records)
+
+
+@pytest.mark.slow
+def test_residual_stream_storage_of_a_trained_run(tiny, corpus_dir, tmp_path):
+    from experiments import residual
+
+    tiny.data.paths = (str(corpus_dir),)
+    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
+    tiny.model.residual_gate, tiny.model.residual_format = True, "e4m3_token"
+    train(tiny, tmp_path / "run", progress=False)
+    records = residual.measure_run(tmp_path / "run", batches=1)
+    assert [(r["gated"], r["trained"], r["storage"]) for r in records] == [
+        (True, "e4m3_token", "e4m3"), (True, "e4m3_token", "e4m3_token")]
+    unscaled, token = records
+    assert token["loss_change_%"] == 0.0 and token["loss"] == token["reference_loss"]
+    assert unscaled["loss_change_%"] != 0.0
+    blocks = [f"blocks_{i}" for i in range(len(tiny.model.pattern))]
+    assert list(token["blocks"]) == blocks
+    assert all(b["saturation"] == 0.0 and b["sqnr_db"] > 15 for b in token["blocks"].values())
+    assert all(0 < b["amax"] for b in unscaled["blocks"].values())
+    assert "| yes | e4m3_token | e4m3 | 1 |" in residual.report(records)
