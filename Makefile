@@ -10,6 +10,9 @@ PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.installed-base
 TEST   := $(VENV)/.installed-test
 BENCH  := $(VENV)/.installed-bench
+# the inference engines' own code (torch, transformers, compressed-tensors), which checks the
+# exported checkpoints: a separate environment (scripts/consumer-venv says why)
+CONSUMERS ?= .venv-consumers
 
 .PHONY: sweep demo test bench clean venv
 venv: $(BASE)
@@ -26,6 +29,9 @@ $(TEST): pyproject.toml $(PY)
 	$(PY) -m pip install --quiet -e ".[test,compile-check]"
 	@touch $(TEST) $(BASE)
 
+$(CONSUMERS)/.installed: scripts/consumer-venv
+	sh scripts/consumer-venv $(CONSUMERS)
+
 $(BENCH): pyproject.toml $(PY)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	@touch $(BENCH) $(BASE)
@@ -37,12 +43,12 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab formats
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
-test: $(TEST)
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+test: $(TEST) $(CONSUMERS)/.installed
+	FP4LAB_CONSUMER_PYTHON=$(CONSUMERS)/bin/python $(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: $(BENCH)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(CONSUMERS) results .pytest_cache

@@ -10,7 +10,8 @@ is quantized), ``probes``, ``einsum``, ``qdot`` (the quantized GEMMs) and ``poli
 from module paths to recipes). Beyond the GEMM operands (docs/beyond_the_gemms.md):
 ``saved`` (what is stored for the backward pass; ``recompute``), ``attention``
 (flash-style attention with its BF16 rounding points), ``reduction``
-(gradient-reduction precision) and ``mismatch`` (train/inference mismatch of rollouts).
+(gradient-reduction precision) and ``mismatch`` (train/inference mismatch of rollouts);
+``export`` writes quantized weights as GGUF, MXFP4 and NVFP4 checkpoints (docs/export.md).
 """
 
 from fp4lab.backend import KernelFallback
@@ -37,6 +38,8 @@ from fp4lab.attention import flash_attention
 from fp4lab.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
 from fp4lab.qdot import qdot_general, qeinsum, saved_bytes
 from fp4lab.saved import recompute
+from fp4lab import export
+from fp4lab.export import load as load_exported
 from fp4lab.quantize import dequantize, fake_quant, quantize
 from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, Recipe, SavedX, get_recipe,
                            recipe_names)
@@ -54,6 +57,8 @@ __all__ = [
     "recipe_names", "DelayedScaling", "SavedX", "saved_bytes", "recompute",
     # beyond the GEMM operands (fp4lab.reduction holds the gradient-reduction modes)
     "flash_attention", "mismatch_metrics", "truncated_is_weights", "token_mult_prob_error",
+    # checkpoints for inference engines (GGUF, MXFP4, NVFP4: fp4lab.export)
+    "export", "load_exported",
     # policies
     "PrecisionPolicy", "Rule", "Depth", "nemotron3", "nvfp4_paper", "all_layers", "explain",
     "get_policy", "load_policy", "save_policy", "PolicyWarning",

@@ -269,6 +269,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
          follows="Kimi K3-style QAT: MXFP4 weights, MXFP8 activations"),
     _qat("int4_qat", "int4", follows="GLM-style INT4 weight QAT (symmetric per-channel)"),
     _qat("q4_0_qat", "int4_q4_0", follows="Gemma QAT for GGML Q4_0 checkpoints"),
+    _qat("q8_0_qat", "int8_q8_0", follows="GGML Q8_0 weight QAT (Q8_0 GGUF checkpoints)"),
     _qat("mxfp4_weights", "mxfp4",
          follows="gpt-oss style weight-only MXFP4 (forward weights only)"),
     _uniform("bf16_saved_fp8", "bf16", "Kimi K2: BF16 compute, the input saved for the "

@@ -1,0 +1,563 @@
+"""Export quantized weights to the checkpoint formats inference engines load, and read them back.
+
+From a parameter tree (Linen variables or an NNX model) and a policy (or a recipe for every
+layer), :func:`quantized_weights` quantizes each linear layer's kernel exactly as its forward
+GEMM does: the kernel cast to the layer's compute dtype, then ``recipe.fprop_w``'s format
+and tile, in blocks along the kernel's input axis K. :func:`save` writes such tensors in one
+of four layouts (docs/export.md has every byte):
+
+* ``gguf`` (llama.cpp): ``int4_q4_0`` weights as GGML Q4_0, ``int8_q8_0`` as Q8_0, through
+  the ``gguf`` package's writer: per block of 32 along K, the float16 scale, then 16 bytes
+  (Q4_0: byte j holds element j in the low nibble and element j + 16 in the high one, codes
+  offset by 8) or 32 int8 codes (Q8_0). Kernels are stored ``[out, in]`` (GGML's ``ne0`` is
+  K); the rest as F32/F16/BF16. Tensor names are the parameter paths with ``.`` for ``/`` and
+  ``weight`` for ``kernel`` (no llama.cpp architecture fits fp4lab's models; pass ``names``
+  to map onto one), and ``fp4lab.tensors`` (JSON) maps them back.
+* ``mxfp4`` (gpt-oss, transformers): safetensors ``<name>_blocks`` (uint8 ``[..., out, in/32,
+  16]``, two E2M1 codes per byte, element 2i in the low nibble) and ``<name>_scales`` (uint8
+  E8M0 ``[..., out, in/32]``); ``config.json`` holds ``quantization_config``.
+* ``nvfp4`` (compressed-tensors, vLLM): ``<module>.weight_packed`` (uint8 ``[out, in/2]``),
+  ``<module>.weight_scale`` (float8_e4m3fn ``[out, in/16]``) and ``<module>.weight_global_scale``
+  (float32 ``[1]``, ``2688 / amax``, Transformer Engine's encode factor), with the
+  ``nvfp4-pack-quantized`` config.
+* ``nvfp4_modelopt`` (TensorRT-LLM, ModelOpt): ``<module>.weight`` (uint8), ``weight_scale``
+  (float8_e4m3fn), ``weight_scale_2`` (float32, ``amax / 2688``) and, where given, the
+  static ``input_scale``; ``hf_quant_config.json``.
+
+What a layout cannot hold is refused, naming the tensor: a weight format it has no type for,
+a K that is not a whole number of blocks, an MXFP4 block whose scale is NaN (E8M0 0xFF, which
+transformers reads as 2^128), an NVFP4 tensor whose amax is not finite. 2D weight tiles
+(NVFP4's 16x16) are written as the 1D groups the consumers know, each group carrying its
+tile's scale: the values are the same, and :func:`load` returns the 1D form.
+
+:func:`load` reads any of them back into QArrays (kernels in their ``[in, out]`` layout,
+blocks along ``in``) and arrays, keyed by parameter path, so a checkpoint made elsewhere can
+be studied with fp4lab's probes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from fp4lab.formats import get_format
+from fp4lab.policy import PrecisionPolicy, all_layers, get_policy
+from fp4lab.qarray import QArray
+from fp4lab.quantize import quantize
+from fp4lab.recipe import Recipe
+
+__all__ = ["LAYOUTS", "quantized_weights", "save", "export", "load", "tensor_name"]
+
+LAYOUTS = ("gguf", "mxfp4", "nvfp4", "nvfp4_modelopt")
+NVFP4_FACTOR = np.float32(2688.0)  # 6 (E2M1's max) * 448 (E4M3's max)
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+# ---------------------------------------------------------------------------- the weights
+
+
+def _flat_params(params) -> tuple[dict[str, np.ndarray], dict[str, str | None]]:
+    """``{path: array}`` of every parameter and ``{layer path: kind}`` of the linear layers,
+    from Linen variables (a dict, ``{"params": ...}`` or not) or an NNX model."""
+    from flax import nnx
+
+    from fp4lab.flax import linear_layers
+
+    if isinstance(params, nnx.Module):
+        layers = dict(linear_layers(params))
+        tree = nnx.to_pure_dict(nnx.state(params, nnx.Param))
+    else:
+        tree = params.get("params", params) if isinstance(params, Mapping) else params
+        layers = dict(linear_layers(dict(tree)))
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        flat[jax.tree_util.keystr(path, simple=True, separator="/")] = leaf
+    return flat, layers
+
+
+def _policy(policy) -> PrecisionPolicy:
+    """A policy, or a recipe (or recipe name) for every layer."""
+    from fp4lab.recipe import RECIPES
+
+    if isinstance(policy, Recipe) or (isinstance(policy, str) and policy in RECIPES):
+        return all_layers(policy)
+    return get_policy(policy)
+
+
+def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
+                      compute_dtype=None, num_blocks: int | None = None
+                      ) -> dict[str, QArray | jax.Array]:
+    """Every parameter as the policy's forward pass uses it, keyed by path (``"blocks_0/mlp/
+    up/kernel"``): a linear layer's kernel ``[in, out]`` whose recipe quantizes the forward
+    weight becomes the QArray of ``quantize(kernel.astype(compute_dtype), fprop_w.format,
+    axis=0, tile=fprop_w.tile)``; a pass-through recipe's kernel is cast to its format (BF16,
+    FP16, FP32); everything else (embeddings, norms, convolutions, biases) is returned as
+    it is. ``compute_dtype``: the dtype the layer casts its kernel to before the GEMM (a Flax
+    ``Dense(dtype=jnp.bfloat16)`` quantizes the BF16 kernel, not the float32 master copy);
+    ``None`` keeps the parameters' own dtype. A policy is a preset name, ``all:<recipe>``,
+    ``file:<policy.json>``, a :class:`PrecisionPolicy`, or a :class:`Recipe` (or a recipe's
+    name) for every layer."""
+    policy = _policy(policy)
+    flat, layers = _flat_params(params)
+    num_blocks = num_blocks or policy.infer_num_blocks(layers)
+    out = {}
+    for path, value in flat.items():
+        layer, _, leaf = path.rpartition("/")
+        if leaf != "kernel" or layer not in layers:
+            out[path] = value
+            continue
+        recipe = policy.assign(layer, layers[layer], num_blocks).recipe
+        op = recipe.fprop_w
+        w = jnp.asarray(value)
+        if compute_dtype is not None:
+            w = w.astype(compute_dtype)
+        if op.format.is_passthrough:
+            out[path] = w.astype(op.format.element.storage)
+            continue
+        if op.hadamard or op.rounding != "nearest":
+            raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
+                             "rounds the forward weight; a checkpoint holds one fixed weight")
+        if w.ndim != 2:
+            raise ValueError(f"{path}: a kernel of shape {w.shape}; quantized_weights takes "
+                             "[in, out] kernels (quantize others with fp4lab.quantize along "
+                             "their input axis and pass the QArrays to save)")
+        out[path] = quantize(w.astype(jnp.float32), op.format, axis=-1 if op.tile else 0,
+                             tile=op.tile)
+    return out
+
+
+# ---------------------------------------------------------------- QArray <-> block arrays
+
+
+def _nibbles(data: np.ndarray) -> np.ndarray:
+    """Unpack bytes (element 2i low) into 4-bit codes along the last axis."""
+    out = np.empty(data.shape[:-1] + (2 * data.shape[-1],), np.uint8)
+    out[..., 0::2] = data & 0x0F
+    out[..., 1::2] = data >> 4
+    return out
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """A quantized kernel in the layouts' common form: ``[..., out, in]`` codes (4-bit codes
+    one per byte, or int8), ``[..., out, in / block]`` scales (their stored dtype), the
+    format and the per-tensor amax (NVFP4)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    format: str
+    block: int
+    amax: np.float32 | None
+
+
+def _blocks(path: str, q: QArray) -> _Blocks:
+    """The ``[..., out, in]`` form of a QArray quantized along the input axis ``-2`` of a
+    ``[..., in, out]`` kernel (or in 2D tiles of its last two axes)."""
+    fmt = q.format
+    if fmt.granularity != "block":
+        raise ValueError(f"{path}: format {fmt.name!r} is not a block format")
+    nd, block = q.ndim, fmt.block
+    k = q.shape[-2]
+    if k % block or (q.tile and q.shape[-1] % q.tile[1]):
+        raise ValueError(f"{path}: K = {k} is not a whole number of {block}-blocks (a "
+                         "checkpoint layout has no padding)")
+    data, scale = np.asarray(q.data), np.asarray(q.scale)
+    four = fmt.element.bits == 4
+    if q.tile:
+        # tiles of the last two axes: data is packed along the last axis (out)
+        tk, tn = q.tile
+        if tk != block:
+            raise ValueError(f"{path}: tile {q.tile} does not have {block} rows along K")
+        codes = _nibbles(data) if four else data
+        codes = np.swapaxes(codes[..., :k, :q.shape[-1]], -1, -2)
+        scales = np.repeat(np.swapaxes(scale, -1, -2), tn, axis=-2)[..., :q.shape[-1], :]
+    else:
+        if q.axis % nd != nd - 2:
+            raise ValueError(f"{path}: blocks along axis {q.axis} of shape {q.shape}; a "
+                             "kernel [..., in, out] is quantized along in (axis -2)")
+        codes = np.swapaxes(data, -1, -2)
+        codes = _nibbles(codes) if four else codes
+        scales = np.swapaxes(scale, -1, -2)
+    amax = None if q.global_scale is None else np.float32(q.global_scale)
+    return _Blocks(np.ascontiguousarray(codes), np.ascontiguousarray(scales), fmt.name,
+                   block, amax)
+
+
+def _qarray(codes_out_in: np.ndarray, scales_out_in: np.ndarray, fmt: str,
+            amax=None) -> QArray:
+    """The QArray (``[..., in, out]``, blocks along ``in``) of ``[..., out, in]`` codes."""
+    f = get_format(fmt)
+    codes = np.swapaxes(codes_out_in, -1, -2)
+    if f.element.bits == 4:
+        codes = np.swapaxes(_pack(np.swapaxes(codes, -1, -2)), -1, -2)
+    nd = codes_out_in.ndim
+    shape = codes_out_in.shape[:-2] + (codes_out_in.shape[-1], codes_out_in.shape[-2])
+    return QArray(data=jnp.asarray(np.ascontiguousarray(codes)),
+                  scale=jnp.asarray(np.ascontiguousarray(np.swapaxes(scales_out_in, -1, -2))),
+                  global_scale=None if amax is None else jnp.asarray(np.float32(amax)),
+                  format=f, axis=nd - 2, tile=None, shape=shape)
+
+
+# -------------------------------------------------------------------------------- naming
+
+
+def tensor_name(path: str) -> str:
+    """A parameter path's tensor name: ``blocks_0/mlp/up/kernel`` -> ``blocks_0.mlp.up.weight``
+    (a kernel is stored transposed, ``[out, in]``, as the engines store weights)."""
+    layer, _, leaf = path.rpartition("/")
+    return ".".join(p for p in (layer.replace("/", "."), "weight" if leaf == "kernel" else leaf)
+                    if p)
+
+
+def _is_kernel(path: str, value) -> bool:
+    return path.rpartition("/")[2] == "kernel" and np.ndim(value) >= 2
+
+
+def _plain(value) -> np.ndarray:
+    a = np.asarray(value)
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype not in (ml_dtypes.bfloat16,):
+        raise TypeError(f"a parameter of dtype {a.dtype}: only floating-point tensors export")
+    return a
+
+
+# ---------------------------------------------------------------------------------- GGUF
+
+_GGUF_TYPES = {"int4_q4_0": "Q4_0", "int8_q8_0": "Q8_0"}
+
+
+def _q4_0_bytes(b: _Blocks) -> np.ndarray:
+    """GGML block_q4_0 bytes ``[..., out, in / 32 * 18]``: the float16 scale, then byte j =
+    (q_j + 8) | (q_{j+16} + 8) << 4."""
+    q = ((b.codes.astype(np.int16) ^ 8) - 8)  # two's complement nibbles -> [-8, 7]
+    u = (q + 8).astype(np.uint8).reshape(b.codes.shape[:-1] + (-1, 32))
+    qs = u[..., :16] | (u[..., 16:] << 4)
+    d = b.scales.astype(np.float16).view(np.uint8).reshape(u.shape[:-1] + (2,))
+    return np.concatenate([d, qs], axis=-1).reshape(b.codes.shape[:-1] + (-1,))
+
+
+def _q8_0_bytes(b: _Blocks) -> np.ndarray:
+    q = b.codes.astype(np.int8).view(np.uint8).reshape(b.codes.shape[:-1] + (-1, 32))
+    d = b.scales.astype(np.float16).view(np.uint8).reshape(q.shape[:-1] + (2,))
+    return np.concatenate([d, q], axis=-1).reshape(b.codes.shape[:-1] + (-1,))
+
+
+def _from_ggml(raw: np.ndarray, qtype: str, shape_out_in: tuple[int, ...]) -> QArray:
+    size = {"Q4_0": 18, "Q8_0": 34}[qtype]
+    blocks = raw.reshape(shape_out_in[:-1] + (-1, size))
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if qtype == "Q4_0":
+        qs = blocks[..., 2:]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # j, j + 16
+        codes = ((u - 8) & 0x0F).astype(np.uint8).reshape(shape_out_in)
+        return _qarray(codes, d, "int4_q4_0")
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(shape_out_in)
+    return _qarray(codes, d, "int8_q8_0")
+
+
+def _save_gguf(tensors, path: Path, names, metadata, arch: str):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    index = {}
+    for p, value in tensors.items():
+        name = names(p)
+        if isinstance(value, QArray):
+            qtype = _GGUF_TYPES.get(value.format.name)
+            if qtype is None:
+                known = ", ".join(f"{k} ({v})" for k, v in _GGUF_TYPES.items())
+                raise ValueError(f"{p}: format {value.format.name!r} has no GGUF type; GGUF "
+                                 f"takes {known} or a pass-through dtype")
+            b = _blocks(p, value)
+            raw = _q4_0_bytes(b) if qtype == "Q4_0" else _q8_0_bytes(b)
+            writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+            index[name] = {"path": p, "transposed": True, "format": value.format.name}
+            continue
+        a = _plain(value)
+        kernel = _is_kernel(p, a)
+        if kernel:
+            a = np.swapaxes(a, -1, -2)
+        a = np.ascontiguousarray(a)
+        if a.dtype == ml_dtypes.bfloat16:
+            writer.add_tensor(name, a.view(np.uint16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        elif a.dtype in (np.float16, np.float32):
+            writer.add_tensor(name, a)
+        else:
+            raise TypeError(f"{p}: dtype {a.dtype}; GGUF takes float32, float16 or bfloat16")
+        index[name] = {"path": p, "transposed": kernel, "format": str(a.dtype)}
+    writer.add_string("fp4lab.tensors", json.dumps(index, sort_keys=True))
+    for key, v in (metadata or {}).items():
+        writer.add_string(f"fp4lab.{key}", v if isinstance(v, str) else json.dumps(v))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _load_gguf(path: Path) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("fp4lab.tensors")
+    if field is None:
+        raise ValueError(f"{str(path)!r} was not written by fp4lab.export (no fp4lab.tensors "
+                         "key): its tensor names cannot be mapped to parameter paths")
+    index = json.loads(bytes(field.parts[field.data[0]]).decode())
+    out = {}
+    for t in reader.tensors:
+        info = index[t.name]
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the last axis) first
+        kind = t.tensor_type.name
+        if kind in ("Q4_0", "Q8_0"):
+            out[info["path"]] = _from_ggml(np.asarray(t.data), kind, shape)
+            continue
+        a = np.asarray(t.data)
+        if kind == "BF16":
+            a = a.view(ml_dtypes.bfloat16)
+        a = a.reshape(shape)
+        out[info["path"]] = np.swapaxes(a, -1, -2) if info["transposed"] else a
+    return out
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8, "I8": np.int8,
+              "I32": np.int32, "F64": np.float64}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
+    from safetensors.flax import save_file
+
+    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A safetensors file as NumPy arrays (float8 included, which the ``safetensors`` package
+    cannot hand to NumPy): an 8-byte little-endian header length, the JSON header, the
+    tensors' bytes at the offsets it gives."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    meta = header.pop("__metadata__", {}) or {}
+    body = memoryview(raw)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(info["shape"]).copy()
+    return out, meta
+
+
+def _plain_tensors(p, value, name, tensors, index):
+    a = np.ascontiguousarray(_plain(value))
+    kernel = _is_kernel(p, a)
+    tensors[name] = np.ascontiguousarray(np.swapaxes(a, -1, -2)) if kernel else a
+    index[name] = {"path": p, "transposed": kernel}
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0] if name.endswith(".weight") else name
+
+
+def _save_mxfp4(tensors, path: Path, names, metadata):
+    out, index, skipped = {}, {}, []
+    for p, value in tensors.items():
+        name = names(p)
+        if not isinstance(value, QArray):
+            _plain_tensors(p, value, name, out, index)
+            if _is_kernel(p, value):
+                skipped.append(_module(name))
+            continue
+        if value.format.element.name != "e2m1" or value.format.scaling.scale_name != "e8m0":
+            raise ValueError(f"{p}: format {value.format.name!r} is not MXFP4 (E2M1 elements, "
+                             "E8M0 scales per 32)")
+        b = _blocks(p, value)
+        if (b.scales == 255).any():
+            raise ValueError(f"{p}: {int((b.scales == 255).sum())} block(s) hold NaN (E8M0 "
+                             "0xFF); transformers reads 0xFF as 2^128, so a NaN block cannot "
+                             "round-trip")
+        lead = b.codes.shape[:-1]
+        out[f"{name}_blocks"] = _pack(b.codes).reshape(lead + (-1, 16))
+        out[f"{name}_scales"] = b.scales.astype(np.uint8)
+        index[f"{name}_blocks"] = {"path": p, "transposed": True, "format": value.format.name}
+    _write_safetensors(path / "model.safetensors", out, {"fp4lab.tensors": json.dumps(index)})
+    config = {"quantization_config": {"quant_method": "mxfp4",
+                                      "modules_to_not_convert": sorted(skipped)},
+              "fp4lab": {"layout": "mxfp4", **(metadata or {})}}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _nvfp4_parts(p, q: QArray):
+    if q.format.name != "nvfp4":
+        raise ValueError(f"{p}: format {q.format.name!r} is not NVFP4")
+    b = _blocks(p, q)
+    amax = b.amax
+    if not np.isfinite(amax):
+        raise ValueError(f"{p}: the tensor amax is {amax}; an NVFP4 checkpoint's global scale "
+                         "must be finite")
+    with np.errstate(divide="ignore", over="ignore"):  # as TE: min(fl(2688 / amax), FLT_MAX)
+        s_enc = np.minimum(NVFP4_FACTOR / amax, _FLT_MAX) if amax else np.float32(1)
+    if s_enc == 0:
+        s_enc = np.float32(1)
+    return _pack(b.codes), b.scales, np.float32(s_enc), amax
+
+
+def _save_nvfp4(tensors, path: Path, names, metadata, modelopt: bool, input_amax):
+    stray = sorted(set(input_amax or ()) - {p for p, v in tensors.items()
+                                            if isinstance(v, QArray)})
+    if stray:
+        raise ValueError(f"input_amax names {stray}, which are not quantized weights")
+    out, index, ignore, quantized = {}, {}, [], []
+    for p, value in tensors.items():
+        name = names(p)
+        if not isinstance(value, QArray):
+            _plain_tensors(p, value, name, out, index)
+            if _is_kernel(p, value):
+                ignore.append(_module(name))
+            continue
+        module = _module(name)
+        packed, scales, s_enc, amax = _nvfp4_parts(p, value)
+        quantized.append(module)
+        if modelopt:
+            out[f"{module}.weight"] = packed
+            out[f"{module}.weight_scale"] = scales
+            out[f"{module}.weight_scale_2"] = np.float32(amax / NVFP4_FACTOR)
+            if input_amax and p in input_amax:
+                out[f"{module}.input_scale"] = np.float32(np.float32(input_amax[p])
+                                                          / NVFP4_FACTOR)
+            key = f"{module}.weight"
+        else:
+            out[f"{module}.weight_packed"] = packed
+            out[f"{module}.weight_scale"] = scales
+            out[f"{module}.weight_global_scale"] = np.array([s_enc], np.float32)
+            key = f"{module}.weight_packed"
+        index[key] = {"path": p, "transposed": True, "format": "nvfp4",
+                      "amax": float(amax)}
+    _write_safetensors(path / "model.safetensors", out, {"fp4lab.tensors": json.dumps(index)})
+    extra = {"fp4lab": {"layout": "nvfp4_modelopt" if modelopt else "nvfp4",
+                        **(metadata or {})}}
+    if modelopt:
+        hf = {"producer": {"name": "fp4lab"},
+              "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                               "exclude_modules": sorted(ignore)}}
+        (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (path / "config.json").write_text(json.dumps(extra, indent=2) + "\n")
+        return
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+               "symmetric": True, "dynamic": False}
+    config = {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": sorted(quantized), "weights": weights,
+                                      "input_activations": None, "output_activations": None,
+                                      "format": "nvfp4-pack-quantized"}},
+        "ignore": sorted(ignore)}, **extra}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _load_safetensors_dir(path: Path) -> dict:
+    tensors, meta = _read_safetensors(path / "model.safetensors")
+    index = json.loads(meta.get("fp4lab.tensors", "null") or "null")
+    if index is None:
+        raise ValueError(f"{str(path)!r} was not written by fp4lab.export (no fp4lab.tensors "
+                         "metadata)")
+    out = {}
+    for name, info in index.items():
+        fmt = info.get("format")
+        if fmt is None:
+            a = tensors[name]
+            out[info["path"]] = np.swapaxes(a, -1, -2) if info["transposed"] else a
+        elif name.endswith("_blocks"):
+            blocks = tensors[name]
+            codes = _nibbles(blocks.reshape(blocks.shape[:-2] + (-1,)))
+            out[info["path"]] = _qarray(codes, tensors[name[:-len("_blocks")] + "_scales"], fmt)
+        else:
+            module = name.rpartition(".")[0]
+            codes = _nibbles(tensors[name])
+            out[info["path"]] = _qarray(codes, tensors[f"{module}.weight_scale"], "nvfp4",
+                                        amax=np.float32(info["amax"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: str, *,
+         names: Callable[[str], str] | None = None, metadata: Mapping | None = None,
+         input_amax: Mapping[str, float] | None = None, arch: str = "fp4lab") -> Path:
+    """Write ``tensors`` (``{parameter path: QArray or array}``, as :func:`quantized_weights`
+    returns) to ``path`` in ``layout`` (:data:`LAYOUTS`): a ``.gguf`` file for ``gguf``, a
+    folder (``model.safetensors``, ``config.json``) for the others. ``names`` maps a path to
+    its tensor name (default :func:`tensor_name`); ``metadata`` is stored alongside (GGUF:
+    ``fp4lab.<key>`` strings; the others: ``config.json``'s ``fp4lab`` section);
+    ``input_amax`` gives NVFP4 layers their static activation amax (ModelOpt's
+    ``input_scale = amax / 2688``); ``arch``: GGUF's ``general.architecture``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    if input_amax and layout != "nvfp4_modelopt":
+        raise ValueError(f"input_amax is ModelOpt's input_scale; layout {layout!r} has none")
+    names = names or tensor_name
+    seen: dict[str, str] = {}
+    for p in tensors:
+        n = names(p)
+        if n in seen:
+            raise ValueError(f"tensor name {n!r} for both {seen[n]!r} and {p!r}")
+        seen[n] = p
+    path = Path(path)
+    if layout == "gguf":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _save_gguf(tensors, path, names, metadata, arch)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        if layout == "mxfp4":
+            _save_mxfp4(tensors, path, names, metadata)
+        else:
+            _save_nvfp4(tensors, path, names, metadata, layout == "nvfp4_modelopt", input_amax)
+    return path
+
+
+def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
+           compute_dtype=None, num_blocks: int | None = None, **save_kw) -> Path:
+    """:func:`quantized_weights` of ``params`` under ``policy``, written by :func:`save`
+    (the policy is recorded in the metadata)."""
+    from fp4lab.policy import explain, policy_to_dict
+
+    policy = _policy(policy)
+    weights = quantized_weights(params, policy, compute_dtype=compute_dtype,
+                                num_blocks=num_blocks)
+    try:
+        recorded = policy_to_dict(policy)
+    except ValueError:  # a recipe outside the registry: its layers' assignment, as text
+        recorded = {"name": policy.name, "explain": str(explain(
+            policy, [p.rpartition("/")[0] for p in weights if p.endswith("/kernel")]))}
+    meta = {"policy": recorded, **(save_kw.pop("metadata", None) or {})}
+    return save(weights, path, layout, metadata=meta, **save_kw)
+
+
+def load(path) -> dict[str, QArray | np.ndarray]:
+    """A checkpoint written by :func:`save`, keyed by parameter path: QArrays for the
+    quantized kernels (``[in, out]``, blocks along ``in``), arrays for the rest."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist")
+    if path.is_file():
+        return _load_gguf(path)
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(f"{str(path)!r} holds no model.safetensors")
+    return _load_safetensors_dir(path)
+

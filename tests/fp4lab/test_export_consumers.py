@@ -1,0 +1,126 @@
+"""fp4lab's MXFP4 and NVFP4 checkpoints dequantized by the consumers' own code: transformers'
+gpt-oss MXFP4 loader and compressed-tensors' NVFP4 decompressor (directly, and from the
+ModelOpt layout through its converter), run in the consumers' environment
+(scripts/consumer-venv; tests/consumers/dequantize.py), against ``fp4lab.dequantize``.
+
+The weights are the adversarial blocks of tests/adversarial.py (values on and beside every
+rounding boundary of the scale and element arithmetic), their non-finite values (which the
+layouts refuse, test_export.py) set to zero, and a Gaussian kernel.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from adversarial import cases
+
+import fp4lab
+from fp4lab import export
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "tests" / "consumers" / "dequantize.py"
+
+
+@pytest.fixture(scope="module")
+def consumer_python():
+    py = Path(os.environ.get("FP4LAB_CONSUMER_PYTHON", ROOT / ".venv-consumers/bin/python"))
+    if not py.exists():
+        message = (f"no consumers' Python at {py}: `make test` builds it (sh "
+                   "scripts/consumer-venv), or set FP4LAB_CONSUMER_PYTHON")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return py
+
+
+def _consume(python, layout, checkpoint, tmp_path) -> dict[str, np.ndarray]:
+    out = tmp_path / f"{layout}.npz"
+    run = subprocess.run([str(python), str(SCRIPT), layout, str(checkpoint), str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with np.load(out) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _weights(fmt: str) -> dict[str, fp4lab.QArray]:
+    """QArrays of [in, out] kernels quantized along in: the adversarial cases (blocks along
+    their last axis, so each case's transpose) and a Gaussian kernel."""
+    out = {}
+    for i, c in enumerate(cases(fmt)):
+        # non-finite values (which the layouts refuse) become zeros
+        x = jnp.asarray(np.ascontiguousarray(np.where(np.isfinite(c.x), c.x, 0).T))
+        kw = {"tile": c.tile} if c.tile else {"axis": 0}
+        amax = None if c.global_amax is None else jnp.float32(c.global_amax)
+        q = fp4lab.quantize(x, fmt, global_amax=amax, **kw) if fmt == "nvfp4" else \
+            fp4lab.quantize(x, fmt, **kw)
+        out[f"case_{i}/kernel"] = q
+    rng = np.random.default_rng(0)
+    out["gauss/kernel"] = fp4lab.quantize(jnp.asarray(rng.standard_normal((256, 96)),
+                                                      jnp.float32), fmt, axis=0)
+    return out
+
+
+def _bf16(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _ulps(a, b) -> np.ndarray:
+    """Distance in float32 ulps (the values compared share their signs or are zero)."""
+    ia = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+    ib = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return np.abs(ia - ib)
+
+
+def test_transformers_reads_the_mxfp4_checkpoint_as_fp4lab_dequantizes_it(
+        consumer_python, tmp_path):
+    weights = _weights("mxfp4")
+    assert len(weights) >= 2
+    export.save(weights, tmp_path / "mx", "mxfp4")
+    got = _consume(consumer_python, "mxfp4", tmp_path / "mx", tmp_path)
+    for path, q in weights.items():
+        name = export.tensor_name(path)
+        want = np.asarray(fp4lab.dequantize(q))
+        # transformers hands the model [in, out], as the kernel: exact in float32 and BF16
+        np.testing.assert_array_equal(got[name].view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(got[name + "@bf16"], _bf16(want))
+
+
+@pytest.mark.parametrize("layout", ["nvfp4", "nvfp4_modelopt"])
+def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer_python, tmp_path, layout):
+    """compressed-tensors dequantizes ``q * fl(s_b / g)``; Transformer Engine, and fp4lab,
+    ``q * fl(fl(s_b * amax) * fl(1/2688))``. fp4lab's compressed-tensors checkpoint stores
+    TE's ``g = 2688 / amax`` (``[1]``, float32), so in float32 the orders differ by at most
+    an ulp, and compressed-tensors' BF16 weight (its default output) equals fp4lab's BF16
+    weight except where the two float32 values sit on either side of a BF16 rounding point.
+    From the ModelOpt layout (``weight_scale_2 = amax / 2688``, a scalar), compressed-tensors'
+    converter takes ``g = 1 / weight_scale_2``, one more rounding, and with a scalar ``g`` its
+    BF16 path rounds ``s_b / g`` to BF16 before the product: within 3 float32 ulps and one
+    BF16 ulp."""
+    weights = _weights("nvfp4")
+    assert len(weights) > 3
+    export.save(weights, tmp_path / layout, layout)
+    got = _consume(consumer_python, layout, tmp_path / layout, tmp_path)
+    worst, worst_bf16, differ_bf16, total = 0, 0, 0, 0
+    for path, q in weights.items():
+        module = export.tensor_name(path)
+        want = np.asarray(fp4lab.dequantize(q))
+        f32, bf16 = got[module + "@fp32"].T, got[module].T  # compressed-tensors: [out, in]
+        assert np.array_equal(np.signbit(f32[f32 != 0]), np.signbit(want[f32 != 0]))
+        worst = max(worst, int(_ulps(f32, want).max()))
+        differ = bf16 != _bf16(want)
+        if layout == "nvfp4":  # each BF16 difference: a float32 one across a rounding point
+            np.testing.assert_array_equal(bf16[differ], _bf16(f32)[differ])
+        worst_bf16 = max(worst_bf16, int((_ulps(bf16, _bf16(want)) >> 16).max()))
+        differ_bf16 += int(differ.sum())
+        total += want.size
+    assert worst <= (1 if layout == "nvfp4" else 3), f"{layout}: {worst} float32 ulps"
+    if layout == "nvfp4":
+        assert differ_bf16 == 0  # none on these inputs
+    else:
+        assert worst_bf16 <= 1 and differ_bf16 < 0.2 * total, (worst_bf16, differ_bf16, total)
