@@ -1,10 +1,18 @@
 """The ``fp4lab`` command line.
 
     fp4lab formats                     table of every format (bits, range, block, scale, cost)
+    fp4lab export PARAMS --policy P --layout L --out PATH [--compute-dtype bfloat16]
+                                       quantized weights as a GGUF / MXFP4 / NVFP4 checkpoint
     fp4lab compare [--tensor F.npy]    SQNR / underflow / saturation / scale health of every
                                        format on several distributions (and your tensors)
                    [--plot out.png|.jpg|.pdf|.svg] [--formats nvfp4,mxfp8] [--size 262144]
                    [--dtype bf16] [--axis -1]
+
+``fp4lab export`` reads the parameters from an ``.npz`` or ``.safetensors`` file whose keys
+are parameter paths (``blocks_0/mlp/up/kernel``; Flax:
+``{"/".join(k): v for k, v in flax.traverse_util.flatten_dict(params).items()}``) and
+quantizes every linear layer's kernel as the policy's forward pass does
+(``fp4lab.export``, docs/export.md).
 
 Your tensors are quantized in their own dtype (float32, bfloat16, float16; float64 is read
 as float32); the synthetic distributions in ``--dtype`` (BF16 by default, as training
@@ -22,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["main", "format_rows", "DISTRIBUTIONS", "load_tensors", "compare"]
+__all__ = ["main", "format_rows", "DISTRIBUTIONS", "load_tensors", "load_params", "compare"]
 
 
 def _fmt_num(v: float) -> str:
@@ -249,6 +257,41 @@ def _cmd_compare(args) -> int:
     return 0
 
 
+def load_params(path: str) -> dict:
+    """A parameter tree from an ``.npz`` or ``.safetensors`` file keyed by ``/``-joined
+    parameter paths."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"parameter file {path!r} does not exist")
+    if path.endswith(".safetensors"):
+        from fp4lab.export import _read_safetensors
+
+        flat = _read_safetensors(path)[0]
+    elif path.endswith(".npz"):
+        with np.load(path) as z:
+            flat = {k: _known_dtype(z[k], k) for k in z.keys()}
+    else:
+        raise ValueError(f"unsupported parameter file {path!r}: use .npz or .safetensors")
+    tree: dict = {}
+    for key, value in flat.items():
+        node, parts = tree, key.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{path}: {key!r} lies under another parameter's path")
+        node[parts[-1]] = value
+    return tree
+
+
+def _cmd_export(args) -> int:
+    from fp4lab import export
+
+    dtype = None if args.compute_dtype == "none" else args.compute_dtype
+    out = export.export(load_params(args.params), args.policy, args.out, args.layout,
+                        compute_dtype=dtype)
+    print(f"wrote {out} ({args.layout}, policy {args.policy})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fp4lab", description="Low-precision numerics toolkit.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -268,6 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--plot", metavar="FILE.png", help="write a bar chart (the suffix picks the "
                    "format: .png, .jpg, .pdf, .svg, ...)")
     c.set_defaults(fn=_cmd_compare)
+    from fp4lab.export import LAYOUTS
+
+    e = sub.add_parser("export", help="quantized weights as a checkpoint an inference engine "
+                       "loads (GGUF, MXFP4, NVFP4)")
+    e.add_argument("params", help=".npz or .safetensors keyed by parameter paths")
+    e.add_argument("--policy", required=True, help="a recipe for every layer (q4_0_qat, "
+                   "mxfp4_weights, nvfp4, ...), a preset, all:<recipe> or file:<policy.json>")
+    e.add_argument("--layout", required=True, choices=LAYOUTS)
+    e.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
+    e.add_argument("--compute-dtype", default="bfloat16",
+                   choices=("bfloat16", "float16", "float32", "none"),
+                   help="the dtype the layers cast their kernels to before the GEMM (the "
+                        "forward quantizes that; default bfloat16; none: as stored)")
+    e.set_defaults(fn=_cmd_export)
     args = p.parse_args(argv)
     if getattr(args, "size", 1024) % 1024 or getattr(args, "size", 1024) <= 0:
         p.error(f"--size={args.size} must be a positive multiple of 1024")

@@ -107,6 +107,9 @@ def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
     name) for every layer."""
     policy = _policy(policy)
     flat, layers = _flat_params(params)
+    if not any(f"{layer}/kernel" in flat for layer in layers):
+        raise ValueError(f"found no linear layer in the parameters (a 'kernel' of rank >= 2 "
+                         f"under a layer's path); paths seen: {sorted(flat)[:5]}")
     num_blocks = num_blocks or policy.infer_num_blocks(layers)
     out = {}
     for path, value in flat.items():
@@ -170,14 +173,14 @@ def _blocks(path: str, q: QArray) -> _Blocks:
         raise ValueError(f"{path}: format {fmt.name!r} is not a block format")
     nd, block = q.ndim, fmt.block
     k = q.shape[-2]
-    if k % block or (q.tile and q.shape[-1] % q.tile[1]):
+    if k % block:
         raise ValueError(f"{path}: K = {k} is not a whole number of {block}-blocks (a "
                          "checkpoint layout has no padding)")
     data, scale = np.asarray(q.data), np.asarray(q.scale)
     four = fmt.element.bits == 4
     if q.tile:
         # tiles of the last two axes: data is packed along the last axis (out)
-        tk, tn = q.tile
+        tk, tn = q.tile  # a partial last tile along out is fine: its rows keep its scale
         if tk != block:
             raise ValueError(f"{path}: tile {q.tile} does not have {block} rows along K")
         codes = _nibbles(data) if four else data
@@ -341,6 +344,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
     from safetensors.flax import save_file
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
@@ -522,8 +526,7 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
     if layout == "gguf":
         path.parent.mkdir(parents=True, exist_ok=True)
         _save_gguf(tensors, path, names, metadata, arch)
-    else:
-        path.mkdir(parents=True, exist_ok=True)
+    else:  # the writers make the folder once every tensor has passed their checks
         if layout == "mxfp4":
             _save_mxfp4(tensors, path, names, metadata)
         else:

@@ -72,3 +72,36 @@ def test_compare_size_help_says_multiple_of_1024(capsys):
     with pytest.raises(SystemExit):
         cli.main(["compare", "--help"])
     assert "multiple of 1024" in capsys.readouterr().out
+
+
+def test_export_writes_a_checkpoint_from_a_parameter_file(tmp_path, capsys):
+    import jax.numpy as jnp
+    from safetensors.flax import save_file
+
+    import fp4lab
+
+    rng = np.random.default_rng(0)
+    flat = {"blocks_0/mlp/up/kernel": rng.standard_normal((64, 32)).astype(np.float32),
+            "norm/scale": np.ones(64, np.float32)}
+    np.savez(tmp_path / "params.npz", **flat)
+    save_file({k: jnp.asarray(v) for k, v in flat.items()}, str(tmp_path / "p.safetensors"))
+    want = fp4lab.quantize(jnp.asarray(flat["blocks_0/mlp/up/kernel"], jnp.bfloat16).astype(
+        jnp.float32), "int4_q4_0", axis=0)  # the BF16 kernel, as a BF16 layer's forward
+    for source in ("params.npz", "p.safetensors"):
+        out = tmp_path / f"{source}.gguf"
+        assert cli.main(["export", str(tmp_path / source), "--policy", "q4_0_qat",
+                         "--layout", "gguf", "--out", str(out)]) == 0
+        assert "wrote" in capsys.readouterr().out
+        back = fp4lab.load_exported(out)
+        np.testing.assert_array_equal(
+            np.asarray(fp4lab.dequantize(back["blocks_0/mlp/up/kernel"])),
+            np.asarray(fp4lab.dequantize(want)))
+        np.testing.assert_array_equal(back["norm/scale"], flat["norm/scale"])
+    # an engine's checkpoint is not a parameter file: its '.'-named tensors hold no kernel
+    save_file({"blocks_0.mlp.up.weight": jnp.ones((32, 64))}, str(tmp_path / "e.safetensors"))
+    assert cli.main(["export", str(tmp_path / "e.safetensors"), "--policy", "nvfp4",
+                     "--layout", "nvfp4", "--out", str(tmp_path / "n")]) == 2
+    assert "no linear layer" in capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "missing.npz"), "--policy", "nvfp4", "--layout",
+                     "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err

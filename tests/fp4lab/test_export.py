@@ -109,6 +109,8 @@ def test_gguf_is_read_dequantized_and_requantized_by_ggml_to_the_same_bits(
 def test_every_layout_loads_back_to_the_same_weights(tmp_path, recipe, layout):
     params = _params()
     params["params"]["embed"] = {"embedding": jnp.ones((4, 64), jnp.bfloat16)}
+    # 40 outputs: the last 16x16 tile along out is partial
+    params["params"]["odd"] = {"kernel": jax.random.normal(jax.random.key(7), (64, 40))}
     w = export.quantized_weights(params, recipe, compute_dtype=jnp.bfloat16)
     target = tmp_path / ("m.gguf" if layout == "gguf" else "m")
     export.save(w, target, layout)
@@ -149,6 +151,7 @@ def test_what_a_layout_cannot_hold_is_refused(tmp_path):
         export.save(w, tmp_path / "m.gguf", "gguf")
     with pytest.raises(ValueError, match="is not MXFP4"):
         export.save(w, tmp_path / "m", "mxfp4")
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.gguf").exists()  # nothing
     with pytest.raises(ValueError, match="unknown layout 'onnx'"):
         export.save(w, tmp_path / "m", "onnx")
     with pytest.raises(ValueError, match="input_amax is ModelOpt's input_scale"):

@@ -1,0 +1,92 @@
+"""A trained run's weights as a checkpoint an inference engine loads (``fp4lab.export``).
+
+    python -m experiments.export --run results/sweep/runs/q4_0_qat --layout gguf \
+        --out results/export/q4_0.gguf [--policy all:q8_0_qat]
+
+The run's last checkpoint is quantized under its own policy (``precision.policy``, or
+``--policy``), each kernel cast to the model's compute dtype first, as the training forward
+did, and written in ``--layout``: ``gguf`` (Q4_0 / Q8_0 for llama.cpp), ``mxfp4`` (the
+gpt-oss layout transformers loads), ``nvfp4`` (compressed-tensors, vLLM) or
+``nvfp4_modelopt`` (TensorRT-LLM). docs/export.md describes every layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import policies
+from experiments.model import HybridLM
+from experiments.rollout import load_run, token_log_probs
+from fp4lab import export as fp4lab_export
+from fp4lab.flax import quantize_model
+
+__all__ = ["export_run", "validation_loss", "with_weights", "main"]
+
+
+def export_run(workdir, layout: str, out, *, policy: str | None = None):
+    """Write the run in ``workdir`` as ``layout`` to ``out``; returns the path."""
+    config, params, _ = load_run(workdir)
+    name = policy or config.precision.policy
+    return fp4lab_export.export(
+        {"params": params}, policies.get(name), out, layout,
+        compute_dtype=jnp.dtype(config.model.dtype),
+        metadata={"run": str(workdir), "policy_name": name, "seed": config.seed})
+
+
+def with_weights(params, weights: dict[str, np.ndarray]) -> dict:
+    """``params`` with the arrays of ``weights`` (``{path: array}``, e.g. a consumer's
+    dequantized kernels) in place of the parameters at those paths; shapes must agree."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves, left = [], dict(weights)
+    for path, leaf in flat:
+        key = jax.tree_util.keystr(path, simple=True, separator="/")
+        if key in left:
+            new = np.asarray(left.pop(key), np.float32)
+            if new.shape != leaf.shape:
+                raise ValueError(f"{key}: shape {new.shape}, the parameter's is {leaf.shape}")
+            leaf = jnp.asarray(new)
+        leaves.append(leaf)
+    if left:
+        raise KeyError(f"weights for paths the parameters do not have: {sorted(left)[:5]}")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 2) -> float:
+    """The mean next-token loss on ``batches`` validation batches of the run's model under
+    ``policy`` (a name of ``experiments.policies`` or a PrecisionPolicy), in ``dtype``
+    (default: the run's compute dtype)."""
+    from experiments.step import model_config
+
+    cfg = model_config(config, data)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=str(jnp.dtype(dtype)))
+    model = quantize_model(HybridLM(cfg), policies.get(policy) if isinstance(policy, str)
+                           else policy)
+    d = config.data
+    val = data.val_batches(batches, d.batch_size, d.seq_len)
+    tokens = jnp.asarray(np.concatenate([b.tokens for b in val]))
+    logits = jax.jit(lambda p, t: model.apply({"params": p}, t, rngs={
+        "quant": jax.random.key(0)})[0])(params, tokens[:, :-1])
+    return -float(jnp.mean(token_log_probs(logits, tokens[:, 1:])))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Export a trained run's quantized weights for "
+                                 "an inference engine.")
+    ap.add_argument("--run", required=True, help="a finished run's folder")
+    ap.add_argument("--layout", required=True, choices=fp4lab_export.LAYOUTS)
+    ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
+    ap.add_argument("--policy", default=None, help="instead of the run's own policy")
+    args = ap.parse_args(argv)
+    path = export_run(args.run, args.layout, args.out, policy=args.policy)
+    print(f"wrote {path} ({args.layout})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
