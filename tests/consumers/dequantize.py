@@ -4,15 +4,16 @@ consumers' Python, scripts/consumer-venv; never by fp4lab's):
     python tests/consumers/dequantize.py LAYOUT CHECKPOINT OUT.npz
 
 * ``mxfp4``: ``transformers.integrations.mxfp4.convert_moe_packed_tensors`` (how transformers
-  loads gpt-oss's MXFP4 experts) of every ``*_blocks`` / ``*_scales`` pair, in float32 and in
-  bfloat16, under the name without the suffix and with ``@bf16`` appended;
+  loads gpt-oss's MXFP4 experts) of every ``*_blocks`` / ``*_scales`` pair (expert stacks as
+  they are, a plain weight as one expert), in float32 and in bfloat16, under the name without
+  the suffix and with ``@bf16`` appended;
 * ``nvfp4``: ``compressed_tensors``' ``NVFP4PackedCompressor.decompress`` of every module, with
   the scheme parsed from the checkpoint's ``config.json`` by compressed-tensors itself, in its
   default (bfloat16) output and in float32 (``@fp32``);
 * ``nvfp4_modelopt``: compressed-tensors' ModelOpt converter to its own format, then the same.
 
 Every result is the consumer's weight as it hands it to its model: ``[in, out]`` for
-transformers' experts (a leading expert axis of 1 added for the call and dropped), ``[out,
+transformers' experts (``[experts, in, out]``; a plain weight's expert axis dropped), ``[out,
 in]`` for compressed-tensors' Linear weights. Stored as float32 in ``OUT.npz``.
 """
 
@@ -34,8 +35,12 @@ def mxfp4(path: Path) -> dict:
             continue
         base = name[: -len("_blocks")]
         scales = tensors[f"{base}_scales"]
+        experts = blocks.ndim == 4  # [experts, out, in / 32, 16], as gpt-oss's
         for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "@bf16")):
-            w = convert_moe_packed_tensors(blocks[None], scales[None], dtype=dtype)[0]
+            if experts:
+                w = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+            else:  # a plain [out, in] weight: one expert
+                w = convert_moe_packed_tensors(blocks[None], scales[None], dtype=dtype)[0]
             out[base + tag] = w.float().numpy()
     return out
 

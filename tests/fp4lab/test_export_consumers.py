@@ -80,6 +80,12 @@ def _ulps(a, b) -> np.ndarray:
 def test_transformers_reads_the_mxfp4_checkpoint_as_fp4lab_dequantizes_it(
         consumer_python, tmp_path):
     weights = _weights("mxfp4")
+    # gpt-oss's case: an expert stack W[e, in, out] quantized along in, stored as
+    # experts.gate_up_proj_blocks [e, out, in/32, 16] and _scales [e, out, in/32]
+    rng = np.random.default_rng(1)
+    weights["experts/gate_up_proj"] = fp4lab.quantize(
+        jnp.asarray(rng.standard_normal((4, 64, 96)) * 2.0 ** rng.integers(-8, 8, (4, 1, 96)),
+                    jnp.float32), "mxfp4", axis=1)
     assert len(weights) >= 2
     export.save(weights, tmp_path / "mx", "mxfp4")
     got = _consume(consumer_python, "mxfp4", tmp_path / "mx", tmp_path)
