@@ -44,7 +44,7 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
 test: $(TEST) $(CONSUMERS)/.installed
-	FP4LAB_CONSUMER_PYTHON=$(CONSUMERS)/bin/python $(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	FP4LAB_CONSUMER_PYTHON=$(abspath $(CONSUMERS))/bin/python $(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: $(BENCH)
 	$(PY) benchmarks/quantize.py
