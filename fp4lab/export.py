@@ -314,15 +314,17 @@ def _load_gguf(path: Path) -> dict:
 
     reader = gguf.GGUFReader(str(path))
     field = reader.fields.get("fp4lab.tensors")
-    if field is None:
-        raise ValueError(f"{str(path)!r} was not written by fp4lab.export (no fp4lab.tensors "
-                         "key): its tensor names cannot be mapped to parameter paths")
-    index = json.loads(bytes(field.parts[field.data[0]]).decode())
+    index = None if field is None else json.loads(bytes(field.parts[field.data[0]]).decode())
     out = {}
     for t in reader.tensors:
-        info = index[t.name]
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the last axis) first
         kind = t.tensor_type.name
+        # made elsewhere: keyed by tensor name, a quantized weight as its [in, out] kernel
+        info = index[t.name] if index else {"path": t.name,
+                                             "transposed": kind in ("Q4_0", "Q8_0")}
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the last axis) first
+        if kind not in ("Q4_0", "Q8_0", "F32", "F16", "BF16"):
+            raise ValueError(f"{str(path)!r}: tensor {t.name!r} is GGML {kind}; fp4lab reads "
+                             "Q4_0, Q8_0, F32, F16 and BF16")
         if kind in ("Q4_0", "Q8_0"):
             out[info["path"]] = _from_ggml(np.asarray(t.data), kind, shape)
             continue
@@ -474,12 +476,43 @@ def _save_nvfp4(tensors, path: Path, names, metadata, modelopt: bool, input_amax
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _guess_index(tensors: dict[str, np.ndarray]) -> dict:
+    """The index of a checkpoint made elsewhere, from its tensor names and dtypes (keys:
+    the tensor names, the module's for NVFP4): gpt-oss MXFP4 (``X_blocks`` + ``X_scales``),
+    compressed-tensors NVFP4 (``M.weight_packed``, ``M.weight_scale``,
+    ``M.weight_global_scale``), ModelOpt NVFP4 (uint8 ``M.weight``, ``M.weight_scale``,
+    ``M.weight_scale_2``); every other tensor as it is."""
+    index, used = {}, set()
+    for name, a in tensors.items():
+        module = name.rpartition(".")[0]
+        if name.endswith("_blocks") and name[:-7] + "_scales" in tensors:
+            index[name] = {"path": name[:-7], "format": "mxfp4"}
+            used |= {name, name[:-7] + "_scales"}
+        elif name.endswith(".weight_packed"):
+            g = tensors[f"{module}.weight_global_scale"].astype(np.float32).reshape(())
+            index[name] = {"path": module, "format": "nvfp4", "amax": float(NVFP4_FACTOR / g)}
+            used |= {name, f"{module}.weight_scale", f"{module}.weight_global_scale"}
+        elif (name.endswith(".weight") and a.dtype == np.uint8
+              and f"{module}.weight_scale_2" in tensors):
+            s2 = tensors[f"{module}.weight_scale_2"].astype(np.float32).reshape(())
+            index[name] = {"path": module, "format": "nvfp4", "amax": float(s2 * NVFP4_FACTOR)}
+            used |= {name, f"{module}.weight_scale", f"{module}.weight_scale_2"}
+    for name in tensors:
+        if name not in used:
+            index[name] = {"path": name, "transposed": False}
+    return index
+
+
 def _load_safetensors_dir(path: Path) -> dict:
-    tensors, meta = _read_safetensors(path / "model.safetensors")
-    index = json.loads(meta.get("fp4lab.tensors", "null") or "null")
-    if index is None:
-        raise ValueError(f"{str(path)!r} was not written by fp4lab.export (no fp4lab.tensors "
-                         "metadata)")
+    tensors, index = {}, {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{str(path)!r} holds no .safetensors file")
+    for f in files:  # one file, or a sharded checkpoint's shards
+        t, meta = _read_safetensors(f)
+        tensors.update(t)
+        index.update(json.loads(meta.get("fp4lab.tensors") or "{}"))
+    index = index or _guess_index(tensors)
     out = {}
     for name, info in index.items():
         fmt = info.get("format")
@@ -553,14 +586,21 @@ def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
 
 
 def load(path) -> dict[str, QArray | np.ndarray]:
-    """A checkpoint written by :func:`save`, keyed by parameter path: QArrays for the
-    quantized kernels (``[in, out]``, blocks along ``in``), arrays for the rest."""
+    """A checkpoint in one of the layouts: QArrays for the quantized kernels (``[in, out]``,
+    blocks along ``in``), arrays for the rest. Written by :func:`save`, it is keyed by
+    parameter path. Made elsewhere (a ``.gguf`` file, or a folder of ``.safetensors`` files,
+    shards included, from gpt-oss, compressed-tensors or ModelOpt), it is keyed by tensor
+    name (the module's name for an NVFP4 weight, ``X`` for gpt-oss's ``X_blocks``) and the
+    layout is recognized from the names; an NVFP4 QArray's amax is then ``2688 /
+    weight_global_scale`` (or ``2688 * weight_scale_2``), so its dequantization follows
+    Transformer Engine's order, within an ulp or two of the consumer's (docs/export.md)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{str(path)!r}: a checkpoint is a .gguf file or a folder of "
+                             ".safetensors files")
         return _load_gguf(path)
-    if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"{str(path)!r} holds no model.safetensors")
     return _load_safetensors_dir(path)
 

@@ -10,7 +10,9 @@ consumers' Python, scripts/consumer-venv; never by fp4lab's):
 * ``nvfp4``: ``compressed_tensors``' ``NVFP4PackedCompressor.decompress`` of every module, with
   the scheme parsed from the checkpoint's ``config.json`` by compressed-tensors itself, in its
   default (bfloat16) output and in float32 (``@fp32``);
-* ``nvfp4_modelopt``: compressed-tensors' ModelOpt converter to its own format, then the same.
+* ``nvfp4_modelopt``: compressed-tensors' ModelOpt converter to its own format, then the same;
+* ``make_nvfp4``: a checkpoint made by compressed-tensors itself (no fp4lab), written to
+  CHECKPOINT, with its own decompression of it.
 
 Every result is the consumer's weight as it hands it to its model: ``[in, out]`` for
 transformers' experts (``[experts, in, out]``; a plain weight's expert axis dropped), ``[out,
@@ -104,11 +106,39 @@ def nvfp4_modelopt(path: Path) -> dict:
     return _decompress(tensors, scheme)
 
 
+def make_nvfp4(path: Path) -> dict:
+    """A checkpoint made by compressed-tensors itself, with no fp4lab in it: two Linear
+    weights quantized with its NVFP4A16 scheme (its global scale, its group scales, its
+    compressor), saved with safetensors' torch writer; returns its own decompression."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+    from safetensors.torch import save_file
+
+    scheme = QuantizationScheme(targets=["Linear"], **NVFP4A16)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for module, shape, spread in (("layers.0.mlp.up", (96, 64), 1.0), ("lm_head", (32, 64), 1e-3)):
+        w = torch.randn(shape, generator=gen) * spread
+        w[0, :16] = 0.0  # an all-zero group: compressed-tensors gives it a nonzero scale
+        gs = generate_gparam(w.min(), w.max())
+        groups = w.reshape(shape[0], -1, 16)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights,
+                                     global_scale=gs)
+        state = NVFP4PackedCompressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+        tensors.update({f"{module}.{k}": v.contiguous() for k, v in state.items()})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    return _decompress(tensors, scheme)
+
+
 if __name__ == "__main__":
     layout, checkpoint, out = sys.argv[1:]
     import numpy as np
 
-    result = {"mxfp4": mxfp4, "nvfp4": nvfp4, "nvfp4_modelopt": nvfp4_modelopt}[layout](
-        Path(checkpoint))
+    result = {"mxfp4": mxfp4, "nvfp4": nvfp4, "nvfp4_modelopt": nvfp4_modelopt,
+              "make_nvfp4": make_nvfp4}[layout](Path(checkpoint))
     np.savez(out, **result)
     print(f"{layout}: {len(result)} tensors from {checkpoint}")

@@ -197,3 +197,39 @@ def test_safetensors_files_carry_their_dtypes(tmp_path):
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "nvfp4-pack-quantized" and config["ignore"] == []
     assert config["config_groups"]["group_0"]["weights"]["group_size"] == 16
+
+
+def test_a_gguf_file_made_by_ggml_loads_into_qarrays(tmp_path):
+    """A GGUF file written with gguf's own writer and quantizer (no fp4lab index): keyed by
+    tensor name, its Q4_0 / Q8_0 weights as [in, out] kernels whose dequantization is GGML's,
+    bit for bit; other GGML types are refused by name."""
+    rng = np.random.default_rng(0)
+    w4 = rng.standard_normal((16, 64)).astype(np.float32)
+    w8 = rng.standard_normal((8, 96)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", quants.quantize(w4, gguf.GGMLQuantizationType.Q4_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("blk.0.ffn_down.weight", quants.quantize(w8,
+                                                               gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    back = fp4lab.load_exported(tmp_path / "g.gguf")
+    assert back["blk.0.ffn_up.weight"].format.name == "int4_q4_0"
+    for name, w, qtype in (("blk.0.ffn_up.weight", w4, gguf.GGMLQuantizationType.Q4_0),
+                           ("blk.0.ffn_down.weight", w8, gguf.GGMLQuantizationType.Q8_0)):
+        ggml = quants.dequantize(quants.quantize(w, qtype), qtype)
+        np.testing.assert_array_equal(np.asarray(fp4lab.dequantize(back[name])).T.view(np.uint32),
+                                      ggml.view(np.uint32))
+    np.testing.assert_array_equal(back["output_norm.weight"], np.ones(64))
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("t", quants.quantize(np.ones((1, 32), np.float32),
+                                           gguf.GGMLQuantizationType.Q5_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    with pytest.raises(ValueError, match="tensor 't' is GGML Q5_0"):
+        fp4lab.load_exported(tmp_path / "k.gguf")

@@ -130,3 +130,24 @@ def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer_python, tmp_path
         assert differ_bf16 == 0  # none on these inputs
     else:
         assert worst_bf16 <= 1 and differ_bf16 < 0.2 * total, (worst_bf16, differ_bf16, total)
+
+
+def test_a_checkpoint_made_by_compressed_tensors_loads_into_qarrays(consumer_python, tmp_path):
+    """compressed-tensors quantizes and compresses two weights itself (NVFP4A16: its global
+    scale, group scales, packing and safetensors writer); fp4lab.load_exported recognizes the
+    layout from the names and returns QArrays whose dequantization is compressed-tensors' own,
+    within two float32 ulps (amax = 2688 / global scale, then Transformer Engine's order) and
+    equal in BF16 except across a BF16 rounding point. compressed-tensors gives an all-zero
+    group the scale 0.125 instead of 0; its values stay zero."""
+    got = _consume(consumer_python, "make_nvfp4", tmp_path / "ct", tmp_path)
+    back = fp4lab.load_exported(tmp_path / "ct")
+    assert set(back) == {"layers.0.mlp.up", "lm_head"}
+    for module, q in back.items():
+        assert q.format.name == "nvfp4" and q.shape == got[module + ".weight"].T.shape
+        want = np.asarray(fp4lab.dequantize(q))
+        f32, bf16 = got[module + ".weight@fp32"].T, got[module + ".weight"].T
+        assert int(_ulps(f32, want).max()) <= 2
+        differ = bf16 != _bf16(want)
+        np.testing.assert_array_equal(bf16[differ], _bf16(f32)[differ])
+        assert float(np.asarray(q.scale)[0, 0].astype(np.float32)) == 0.125  # the zero group
+        assert (want[:16, 0] == 0).all()
