@@ -1,8 +1,12 @@
 """The analyses of a trained tiny run: experiments.rollout (the mismatch of rollout precisions
 against the BF16 trainer; sampling; bad settings), experiments.ssm_state and
-experiments.residual."""
+experiments.residual. They share one run, trained 8 steps with BF16 GEMMs and a gated
+residual stream stored in E4M3 with per-token scales (which the rollout and state analyses
+carry along, as a user's run would)."""
 
 import json
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +17,26 @@ from experiments import rollout
 from experiments.train import train
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_dir):
+    """``(config, run folder)`` of the shared run."""
+    from experiments.configs import load_config
+
+    c = load_config("tiny")
+    c.compile_cache = os.environ.get("FP4LAB_TEST_CACHE", str(
+        Path(__file__).parents[2] / ".pytest_cache" / "jax-compile"))  # as conftest's
+    c.data.paths = (str(corpus_dir),)
+    c.precision.policy, c.train.steps, c.train.ckpt_every = "bf16", 8, 8
+    c.model.residual_gate, c.model.residual_format = True, "e4m3_token"
+    run = tmp_path_factory.mktemp("analyses") / "run"
+    train(c, run, progress=False)
+    return c, run
+
+
 @pytest.mark.slow
-def test_rollout_mismatch_of_a_trained_run(tiny, corpus_dir, tmp_path, monkeypatch):
-    tiny.data.paths = (str(corpus_dir),)
-    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
-    train(tiny, tmp_path / "run", progress=False)
+def test_rollout_mismatch_of_a_trained_run(trained, tmp_path, monkeypatch):
+    tiny, run = trained
+    (tmp_path / "run").symlink_to(run)
     monkeypatch.chdir(tmp_path)  # a relative run folder, as on the command line
     records = rollout.measure_run("run", batches=1, sample=4,
                                   precisions=("nvfp4", "fp16"), groups=("all", "head"))
@@ -61,13 +80,10 @@ def test_unknown_rollout_settings_are_named():
 
 
 @pytest.mark.slow
-def test_ssm_state_precision_of_a_trained_run(tiny, corpus_dir, tmp_path):
+def test_ssm_state_precision_of_a_trained_run(trained):
     from experiments import ssm_state
 
-    tiny.data.paths = (str(corpus_dir),)
-    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
-    train(tiny, tmp_path / "run", progress=False)
-    records = ssm_state.measure_run(tmp_path / "run", batches=1, sample=6, variants=(
+    records = ssm_state.measure_run(trained[1], batches=1, sample=6, variants=(
         ("bf16", "nearest"), ("fp8_block128", "stochastic")))
     assert [(r["format"], r["rounding"]) for r in records] == [
         ("bf16", "nearest"), ("fp8_block128", "stochastic")]
@@ -80,14 +96,11 @@ def test_ssm_state_precision_of_a_trained_run(tiny, corpus_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_residual_stream_storage_of_a_trained_run(tiny, corpus_dir, tmp_path):
+def test_residual_stream_storage_of_a_trained_run(trained):
     from experiments import residual
 
-    tiny.data.paths = (str(corpus_dir),)
-    tiny.precision.policy, tiny.train.steps, tiny.train.ckpt_every = "bf16", 8, 8
-    tiny.model.residual_gate, tiny.model.residual_format = True, "e4m3_token"
-    train(tiny, tmp_path / "run", progress=False)
-    records = residual.measure_run(tmp_path / "run", batches=1)
+    tiny, run = trained
+    records = residual.measure_run(run, batches=1)
     assert [(r["gated"], r["trained"], r["storage"]) for r in records] == [
         (True, "e4m3_token", "e4m3"), (True, "e4m3_token", "e4m3_token")]
     unscaled, token = records
