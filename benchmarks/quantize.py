@@ -7,8 +7,9 @@ and qwix's quantize + dequantize.
 
 Timing. Everything is compiled and warmed up first. Then ``--rounds`` rounds each time every
 variant once (the fastest of 3 back-to-back calls), in a fresh random order, each right after
-the copy timed the same way, which is its baseline, so a noisy neighbour or a clock change hits all variants alike. The table gives the
-min / median / max over the rounds of ``time / copy``.
+the copy timed the same way, which is its baseline, so a noisy neighbour or a clock change
+hits all variants alike. The table gives the min / median / max over the rounds of ``time /
+copy``.
 
     python benchmarks/quantize.py [--size 4096] [--rounds 20] [--formats nvfp4,mxfp8] [--smoke]
 """

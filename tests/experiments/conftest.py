@@ -33,3 +33,23 @@ def tiny():
     c = load_config("tiny")
     c.compile_cache = CACHE
     return c
+
+
+@pytest.fixture(scope="session")
+def train_tiny(tmp_path_factory, corpus_dir):
+    """``train_tiny(policy, **model_keys) -> (config, run folder)``: the tiny config on the
+    corpus, trained 8 steps (one checkpoint), for the tests that analyse a trained run."""
+    from experiments.train import train
+
+    def run(policy: str, **model_keys):
+        c = load_config("tiny")
+        c.compile_cache = CACHE
+        c.data.paths = (str(corpus_dir),)
+        c.precision.policy, c.train.steps, c.train.ckpt_every = policy, 8, 8
+        for key, value in model_keys.items():
+            c.model[key] = value
+        folder = tmp_path_factory.mktemp("trained") / "run"
+        train(c, folder, progress=False)
+        return c, folder
+
+    return run

@@ -5,8 +5,6 @@ residual stream stored in E4M3 with per-token scales (which the rollout and stat
 carry along, as a user's run would)."""
 
 import json
-import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,23 +12,12 @@ import numpy as np
 import pytest
 
 from experiments import rollout
-from experiments.train import train
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus_dir):
+def trained(train_tiny):
     """``(config, run folder)`` of the shared run."""
-    from experiments.configs import load_config
-
-    c = load_config("tiny")
-    c.compile_cache = os.environ.get("FP4LAB_TEST_CACHE", str(
-        Path(__file__).parents[2] / ".pytest_cache" / "jax-compile"))  # as conftest's
-    c.data.paths = (str(corpus_dir),)
-    c.precision.policy, c.train.steps, c.train.ckpt_every = "bf16", 8, 8
-    c.model.residual_gate, c.model.residual_format = True, "e4m3_token"
-    run = tmp_path_factory.mktemp("analyses") / "run"
-    train(c, run, progress=False)
-    return c, run
+    return train_tiny("bf16", residual_gate=True, residual_format="e4m3_token")
 
 
 @pytest.mark.slow

@@ -20,7 +20,6 @@ import pytest
 
 from experiments.export import export_run, validation_loss, with_weights
 from experiments.rollout import load_run
-from experiments.train import train
 from fp4lab import export
 from fp4lab.policy import all_layers
 from fp4lab.recipe import OperandQuant, Recipe
@@ -31,18 +30,9 @@ BF16_X_FP32_W = Recipe(name="bf16_x_fp32_w", fprop_x=OperandQuant(format="bf16")
 
 
 @pytest.fixture(scope="module")
-def qat_run(tmp_path_factory, corpus_dir):
+def qat_run(train_tiny):
     """The tiny config trained 8 steps with Q4_0 weight QAT (shared by the tests here)."""
-    from experiments.configs import load_config
-
-    c = load_config("tiny")
-    c.compile_cache = os.environ.get("FP4LAB_TEST_CACHE", str(
-        Path(__file__).parents[2] / ".pytest_cache" / "jax-compile"))  # as conftest's
-    c.data.paths = (str(corpus_dir),)
-    c.precision.policy, c.train.steps, c.train.ckpt_every = "all:q4_0_qat", 8, 8
-    run = tmp_path_factory.mktemp("qat") / "run"
-    train(c, run, progress=False)
-    return run
+    return train_tiny("all:q4_0_qat")[1]
 
 
 @pytest.mark.slow
