@@ -59,8 +59,9 @@ def test_a_qat_model_served_from_gguf_has_its_qat_loss(qat_run, tmp_path):
     served = validation_loss(config, with_weights(params, weights), data,
                              all_layers(BF16_X_FP32_W), dtype=jnp.float32)
     assert served == qat  # the same bits of loss
-    plain = validation_loss(config, params, data, all_layers(BF16_X_FP32_W), dtype=jnp.float32)
-    assert plain != qat  # the weights did change
+    head = np.asarray(params["head"]["kernel"])
+    assert not np.array_equal(weights["head/kernel"], head)  # the weights did change
+    assert np.abs(weights["head/kernel"] - head).max() < 0.2 * np.abs(head).max()
     # the command line writes the run under its own policy, kernels in its BF16 dtype
     assert export.load(export_run(qat_run, "gguf", tmp_path / "cli.gguf")).keys() == \
         weights.keys()
