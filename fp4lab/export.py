@@ -31,8 +31,10 @@ transformers reads as 2^128), an NVFP4 tensor whose amax is not finite. 2D weigh
 tile's scale: the values are the same, and :func:`load` returns the 1D form.
 
 :func:`load` reads any of them back into QArrays (kernels in their ``[in, out]`` layout,
-blocks along ``in``) and arrays, keyed by parameter path, so a checkpoint made elsewhere can
-be studied with fp4lab's probes.
+blocks along ``in``) and arrays, keyed by parameter path. It also reads checkpoints made
+elsewhere in these layouts (a GGUF file; gpt-oss, compressed-tensors or ModelOpt safetensors,
+recognized by their tensor names and keyed by them), so they can be studied with fp4lab's
+probes.
 """
 
 from __future__ import annotations
