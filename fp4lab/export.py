@@ -371,11 +371,14 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
     return out, meta
 
 
-def _plain_tensors(p, value, name, tensors, index):
+def _plain_tensors(p, value, name, tensors, index) -> str | None:
+    """Store an unquantized tensor (a kernel transposed); returns its module's name when it
+    is a kernel: a linear layer the checkpoint's config lists as not converted."""
     a = np.ascontiguousarray(_plain(value))
     kernel = _is_kernel(p, a)
     tensors[name] = np.ascontiguousarray(np.swapaxes(a, -1, -2)) if kernel else a
     index[name] = {"path": p, "transposed": kernel}
+    return _module(name) if kernel else None
 
 
 def _module(name: str) -> str:
@@ -387,9 +390,8 @@ def _save_mxfp4(tensors, path: Path, names, metadata):
     for p, value in tensors.items():
         name = names(p)
         if not isinstance(value, QArray):
-            _plain_tensors(p, value, name, out, index)
-            if _is_kernel(p, value):
-                skipped.append(_module(name))
+            if module := _plain_tensors(p, value, name, out, index):
+                skipped.append(module)
             continue
         if value.format.element.name != "e2m1" or value.format.scaling.scale_name != "e8m0":
             raise ValueError(f"{p}: format {value.format.name!r} is not MXFP4 (E2M1 elements, "
@@ -434,9 +436,8 @@ def _save_nvfp4(tensors, path: Path, names, metadata, modelopt: bool, input_amax
     for p, value in tensors.items():
         name = names(p)
         if not isinstance(value, QArray):
-            _plain_tensors(p, value, name, out, index)
-            if _is_kernel(p, value):
-                ignore.append(_module(name))
+            if module := _plain_tensors(p, value, name, out, index):
+                ignore.append(module)
             continue
         module = _module(name)
         packed, scales, s_enc, amax = _nvfp4_parts(p, value)
