@@ -22,7 +22,7 @@ $(PY): scripts/find-python
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(BASE): pyproject.toml $(PY)
-	$(PY) -m pip install --quiet -e ".[experiments,plots]"
+	$(PY) -m pip install --quiet -e ".[experiments,plots,export]"
 	@touch $(BASE)
 
 $(TEST): pyproject.toml $(PY)

@@ -84,6 +84,9 @@ class Depth:
         if self.first_fraction > 1 or self.last_fraction > 1:
             raise ValueError("Depth fractions must be in [0, 1]")
 
+    def __repr__(self) -> str:
+        return _short_repr(self)
+
     def selects(self, block: int, num_blocks: int) -> bool:
         head = max(self.first, math.ceil(self.first_fraction * num_blocks - 1e-9))
         tail = max(self.last, math.ceil(self.last_fraction * num_blocks - 1e-9))
@@ -122,6 +125,9 @@ class Rule:
             raise ValueError("a rule selects blocks by depth or layers outside the blocks, "
                              "not both")
 
+    def __repr__(self) -> str:
+        return _short_repr(self)
+
     def label(self) -> str:
         if self.name:
             return self.name
@@ -133,6 +139,21 @@ class Rule:
         if self.outside_blocks:
             parts.append("outside blocks")
         return " ".join(parts)
+
+
+def _short_repr(obj) -> str:
+    """``obj``'s dataclass repr without the fields at their defaults, registered recipes by
+    name (a recipe's full repr is pages long: ``Recipe.describe()`` shows it)."""
+    from fp4lab.recipe import RECIPES
+
+    def show(v):
+        if isinstance(v, Recipe) and RECIPES.get(v.name) == v:
+            return repr(v.name)
+        return repr(v)
+
+    fields = [f"{f.name}={show(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+              if f.default is dataclasses.MISSING or getattr(obj, f.name) != f.default]
+    return f"{type(obj).__name__}({', '.join(fields)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +175,9 @@ class PrecisionPolicy:
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(self.rules))
         object.__setattr__(self, "default", get_recipe(self.default))
+
+    def __repr__(self) -> str:
+        return _short_repr(self)
 
     def block_of(self, path: str) -> int | None:
         m = re.search(self.block_pattern, path)
@@ -237,21 +261,27 @@ class ExplainTable(list):
 
 
 def check_unused(policy: PrecisionPolicy, assignments, *, strict: bool = False,
-                 stacklevel: int = 2) -> list[int]:
+                 stacklevel: int = 2, none_found: str = "") -> list[int]:
     """The indices of ``policy``'s rules that no assignment used; warn (:class:`PolicyWarning`)
-    about the required ones, or raise ``ValueError`` with ``strict=True``. The message names
-    each rule and, when no layer was in a block, says how to name the blocks."""
+    about the required ones, and about a policy that governed nothing at all (no
+    ``assignments``; ``none_found`` says why that can be), or raise ``ValueError`` with
+    ``strict=True``. The message names each rule and, when no layer was in a block, says how
+    to name the blocks."""
+    assignments = list(assignments)
     used = {a.rule for a in assignments}
     unused = [i for i in range(len(policy.rules)) if i not in used]
     missing = [policy.rules[i] for i in unused if policy.rules[i].required]
+    problems = [] if assignments else [f"it found no GEMM to govern in this model{none_found}"]
     if missing:
         names = ", ".join(repr(r.label()) for r in missing)
-        msg = f"policy {policy.name}: rules matched no layer: {names}"
+        problems.append(f"rules matched no layer: {names}")
         if any(r.depth or r.outside_blocks for r in missing) and not any(
                 a.block is not None for a in assignments):
-            msg += ("; no layer path has a block index (e.g. blocks_3/..., Block_3/..., "
-                    "layers/3/...): pass block='<the block module name>' to quantize_model "
-                    "or explain")
+            problems.append("no layer path has a block index (e.g. blocks_3/..., Block_3/..., "
+                            "layers/3/...): pass block='<the block module name>' to "
+                            "quantize_model or explain")
+    if problems:
+        msg = f"policy {policy.name}: " + "; ".join(problems)
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, PolicyWarning, stacklevel=stacklevel + 1)

@@ -47,6 +47,7 @@ from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's
 from fp4lab.flax import linen as _linen
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
+from fp4lab.flax.ops import NONE_FOUND
 from fp4lab.flax.nnx import OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, get_policy
 from fp4lab.policy import explain as _explain
@@ -114,10 +115,13 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     do not matter; ``jax.ShapeDtypeStruct`` will do) and ``call_kwargs``: ``model(*inputs,
     **call_kwargs)`` is traced once, abstractly, to find the calls; each quantized call gets
     a :class:`~fp4lab.flax.nnx.QuantOp` (its SR stream and amax history) in its module's
-    ``fp4lab_ops``, and the model's ``__call__`` intercepts them from then on.
+    ``fp4lab_ops``, and every method of the modules that can reach them intercepts them
+    from then on (:func:`~fp4lab.flax.nnx.intercept_ops`). Quantizing a model again drops
+    what an earlier policy installed.
 
-    A required rule that matches no layer is a :class:`~fp4lab.policy.PolicyWarning` naming
-    the rule (NNX: now; Linen: at the first ``apply``), an error with ``strict=True``.
+    A required rule that matches no layer, or a policy that finds no GEMM at all, is a
+    :class:`~fp4lab.policy.PolicyWarning` naming the rule (NNX: now; Linen: at the first
+    ``apply``), an error with ``strict=True``.
     ``block``: the name of the block modules when the default pattern does not find them
     (``block="Stage"`` for ``Stage_0``, ``Stage_1``, ...; see
     :func:`~fp4lab.policy.block_pattern_for`)."""
@@ -132,6 +136,7 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     if not isinstance(model, flax_nnx.Module):
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
+    _nnx.release_ops(model)  # quantized before: its calls are found afresh under this policy
     num_blocks = num_blocks or policy.infer_num_blocks(
         p for p, k in linear_layers(model) if k not in OP_KINDS)
     base = None
@@ -158,23 +163,19 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
         setattr(m, hook, flax_nnx.data(hooked))
     if policy.governs_ops:
         assignments += _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm)
-    if assignments:
-        check_unused(policy, assignments, strict=strict, stacklevel=2)
+    check_unused(policy, assignments, strict=strict, stacklevel=2, none_found=NONE_FOUND)
     return model
 
 
 def _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm) -> list:
     """Find an NNX model's calls, give each quantized one a QuantOp in its module, and make
-    the model's ``__call__`` intercept them; the calls' assignments."""
+    the model intercept them; the calls' assignments."""
     if not inputs and not call_kwargs:
         rules = ", ".join(repr(r.label()) for r in policy.rules if r.kind in OP_KINDS)
         raise ValueError(f"policy {policy.name} quantizes calls inside modules (rules "
                          f"{rules}): an NNX model needs example inputs to find them, "
                          "quantize_model(model, policy, x)")
     modules = {"/".join(map(str, p)): m for p, m in flax_nnx.iter_modules(model)}
-    for m in modules.values():  # a model quantized before: its calls are found afresh
-        if OPS_ATTR in vars(m):
-            delattr(m, OPS_ATTR)
     ops: dict[str, dict] = {}
     assignments = []
     for mpath, name, kind, stack in _nnx.find_op_calls(model, inputs, call_kwargs):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp4lab.delayed import init_history
-from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
+from fp4lab.flax.ops import NONE_FOUND, CallCounter, OpCalls, quantized_call
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
 from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
@@ -235,9 +235,10 @@ class QuantizedLinen:
             if self.policy.governs_ops:
                 stack.enter_context(OpCalls.intercepted(op))
             out = self.model.apply(variables, *args, **kwargs)
-        if met and (self.strict or not self._checked):
+        if self.strict or not self._checked:
             self._checked = True
-            check_unused(self.policy, list(met.values()), strict=self.strict, stacklevel=2)
+            check_unused(self.policy, met.values(), strict=self.strict, stacklevel=2,
+                         none_found=NONE_FOUND)
         return out
 
     def layers(self, variables, *args, **kwargs) -> list[tuple[str, str]]:

@@ -7,8 +7,10 @@ carry a recipe and their own SR rng stream, so quantizing a layer never touches 
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QLinear", "QLinearGeneral", "QEinsum",
            "HOOKS", "KINDS", "AmaxHistory", "update_amax_history", "find_op_calls",
-           "intercept_ops", "layer_stack", "stacked", "OPS_ATTR"]
+           "intercept_ops", "release_ops", "layer_stack", "stacked", "OPS_ATTR"]
 
 
 class AmaxHistory(nnx.Variable):
@@ -184,20 +186,57 @@ def _call(call, model, args, kwargs, record=None):
 _INTERCEPTING: dict[type, type] = {}
 
 
-def intercept_ops(model: nnx.Module) -> None:
-    """Make ``model``'s ``__call__`` intercept the calls made inside it, in place (its class
-    becomes a subclass, of the same name, whose ``__call__`` does; as qwix does)."""
-    cls = type(model)
-    if getattr(cls, "_fp4lab_intercepts", False):
-        return
+def _entry_points(cls: type) -> list[str]:
+    """The methods through which ``cls``'s modules run: ``__call__`` and every other plain
+    function its classes below ``nnx.Module`` define (not dunders, static or class methods,
+    properties)."""
+    own = cls.__mro__[:cls.__mro__.index(nnx.Module)]
+    return sorted({name for base in own for name, v in vars(base).items()
+                   if isinstance(v, types.FunctionType)
+                   and (name == "__call__" or not (name.startswith("__") and name.endswith("__")))})
+
+
+def _intercepting(cls: type) -> type:
+    """``cls``'s subclass, of the same name, whose entry points intercept the calls made
+    inside them (as qwix swaps classes); one per class."""
     if cls not in _INTERCEPTING:
-        def __call__(self, *args, **kwargs):
-            return _call(cls.__call__, self, args, kwargs)
+        def entry(name):
+            original = getattr(cls, name)
+
+            @functools.wraps(original)
+            def method(self, *args, **kwargs):
+                return _call(original, self, args, kwargs)
+
+            return method
 
         _INTERCEPTING[cls] = type(cls.__name__, (cls,), {
-            "__call__": __call__, "_fp4lab_intercepts": True, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-    model.__class__ = _INTERCEPTING[cls]
+            **{name: entry(name) for name in _entry_points(cls)}, "_fp4lab_intercepts": True,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__})
+    return _INTERCEPTING[cls]
+
+
+def intercept_ops(model: nnx.Module) -> None:
+    """Make every module of ``model`` through which a quantized call can be reached (the
+    modules holding ``fp4lab_ops`` and those above them) intercept the calls made inside any
+    of its methods, in place: ``model(x)``, ``model.forward(x)`` and ``model.blocks[0](x)``
+    quantize the same calls."""
+    modules = list(nnx.iter_modules(model))
+    holders = [path for path, m in modules if OPS_ATTR in vars(m)]
+    for path, m in modules:
+        if not getattr(type(m), "_fp4lab_intercepts", False) and any(
+                tuple(h[:len(path)]) == tuple(path) for h in holders):
+            m.__class__ = _intercepting(type(m))
+
+
+def release_ops(model: nnx.Module) -> None:
+    """Undo :func:`intercept_ops` and drop every quantized call of ``model``, in place (a
+    model quantized again starts from its own classes and finds its calls afresh)."""
+    for _, m in nnx.iter_modules(model):
+        if OPS_ATTR in vars(m):
+            delattr(m, OPS_ATTR)
+        if getattr(type(m), "_fp4lab_intercepts", False):
+            m.__class__ = type(m).__bases__[0]
 
 
 def find_op_calls(model: nnx.Module, args=(), kwargs=None

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe
 
-__all__ = ["OpCalls", "CallCounter", "quantized_call"]
+__all__ = ["OpCalls", "CallCounter", "quantized_call", "NONE_FOUND"]
+
+# why a policy can find no GEMM in a model (the end of its PolicyWarning)
+NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
+              "(NNX) layer, and only jnp.einsum / lax.dot_general calls are intercepted, by "
+              "rules of those op kinds (x @ w, jnp.matmul and jnp.dot never are)")
 
 
 class OpCalls:

@@ -197,17 +197,57 @@ def test_nnx_calls_inside_modules_follow_op_rules():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  nnx.state(g, nnx.Param), nnx.state(gw, nnx.Param))
     assert jnp.einsum.__module__.startswith("jax")  # restored after the call
-    # a submodule called on its own is outside the intercepting model call: unquantized
-    block_alone = np.asarray(m.blocks[0](x))
-    np.testing.assert_array_equal(block_alone, np.asarray(
-        nnx_by_hand_block(m.blocks[0], x)))
 
 
-def nnx_by_hand_block(b, x):
+class TwoEntries(NNXModel):  # the model's body behind another method too
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.mix(x)
+
+
+def test_nnx_calls_are_quantized_whatever_method_runs_them():
+    """A user's report: ``m.forward(x)`` (the body of ``__call__``) and a submodule called
+    directly ran the attention products unquantized while the Linear layers stayed
+    quantized, a plausible-looking output equal to a layers-only model's."""
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    m = quantize_model(TwoEntries(nnx.Rngs(0)), NNX_OPS, x)
+    block = m.blocks[0]
+    y = block(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nnx_by_hand_block(block, x)))
+    assert not np.array_equal(np.asarray(y), np.asarray(
+        nnx_by_hand_block(block, x, scores=None)))
+    want = np.asarray(nnx_by_hand(m, x))
+    np.testing.assert_array_equal(np.asarray(m.forward(x)), want)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m.forward(x))(m, x)), want)
+    np.testing.assert_array_equal(np.asarray(m.mix(x)), np.asarray(qdot_general(
+        x, qdot_general(x, m.mix.gate.kernel[...], (((2,), (0,)), ((), ())), "bf16")
+        + m.mix.gate.bias[...], (((2,), (2,)), ((0,), (0,))), "mxfp8")))
+
+
+def test_nnx_quantized_again_drops_the_old_calls():
+    """A user's report: quantizing with an op rule, then with ``all:bf16``, kept the old
+    MXFP4 attention products (and ``linear_layers`` listed them)."""
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    mx = PrecisionPolicy(rules=(Rule(recipe="mxfp4", kind="jnp.einsum", pattern=".*"),),
+                         name="mx")
+    m = quantize_model(NNXModel(nnx.Rngs(0)), mx, x)
+    assert any(k == "jnp.einsum" for _, k in linear_layers(m))
+    quantize_model(m, "all:bf16")
+    fresh = quantize_model(NNXModel(nnx.Rngs(0)), "all:bf16")
+    assert [k for _, k in linear_layers(m) if k in OP_KINDS] == []
+    assert type(m) is NNXModel and type(m.blocks[0]) is SelfAttention  # classes restored
+    np.testing.assert_array_equal(np.asarray(m(x)), np.asarray(fresh(x)))
+
+
+def nnx_by_hand_block(b, x, scores="fp8_hybrid"):
+    def product(spec, u, v):
+        return jnp.einsum(spec, u, v) if scores is None else qeinsum(spec, u, v, scores)
+
     q, k, v = jnp.split(qdot_general(x, b.qkv.kernel[...], (((2,), (0,)), ((), ())), "bf16")
                         + b.qkv.bias[...], 3, axis=-1)
-    w = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / jnp.sqrt(32.0))
-    o = jnp.einsum("bqk,bkd->bqd", w, v)
+    w = jax.nn.softmax(product("bqd,bkd->bqk", q, k) / jnp.sqrt(32.0))
+    o = product("bqk,bkd->bqd", w, v)
     return qdot_general(o, b.out.kernel[...], (((2,), (0,)), ((), ())), "bf16") + \
         b.out.bias[...]
 
@@ -311,3 +351,50 @@ def test_nnx_scanned_blocks_get_stacked_hooks_and_ops():
     # the forward pass rounds to nearest (nvfp4's SR is on gradients only)
     np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(m, x)),
                                   np.asarray(jax.jit(by_hand)(x)))
+
+
+class Matmul(nnx.Module):  # a GEMM fp4lab cannot see: `@`
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 32)))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+class ThreeOperands(nnx.Module):  # an einsum no two-operand rule can take
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 32)))
+
+    def __call__(self, x):
+        return jnp.einsum("bqd,de,bke->bqk", x, self.w[...], x)
+
+
+class LinenMatmul(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x @ self.param("w", nn.initializers.normal(), (32, 32))
+
+
+def test_a_policy_that_governs_nothing_says_so():
+    """A user's report: a model whose only GEMM is ``x @ self.w`` under ``all:nvfp4``, an op
+    rule on such a model, or a three-operand einsum with the rule's pattern elsewhere, stayed
+    unquantized without a word."""
+    x = jnp.ones((2, 8, 32))
+    dot_rule = PrecisionPolicy(rules=(Rule(recipe="nvfp4", kind="lax.dot_general"),),
+                               name="dots")
+    elsewhere = PrecisionPolicy(rules=(Rule(recipe="nvfp4", kind="jnp.einsum",
+                                            pattern="attention/.*"),), name="elsewhere")
+    cases = [(Matmul, "all:nvfp4", "no GEMM to govern.*x @ w"),
+             (Matmul, dot_rule, "no GEMM.*rules matched no layer: '/.\\*/ kind=lax.dot_general'"),
+             (ThreeOperands, elsewhere, "rules matched no layer: '/attention/.\\*/")]
+    for model, policy, match in cases:
+        with pytest.warns(PolicyWarning, match=match):
+            quantize_model(model(nnx.Rngs(0)), policy, x)
+        with pytest.raises(ValueError, match=match):
+            quantize_model(model(nnx.Rngs(0)), policy, x, strict=True)
+    params = LinenMatmul().init(jax.random.key(0), x)
+    with pytest.warns(PolicyWarning, match="no GEMM to govern"):
+        quantize_model(LinenMatmul(), "all:nvfp4").apply(params, x)
+    with warnings.catch_warnings():  # a model with GEMMs is not warned about
+        warnings.simplefilter("error", PolicyWarning)
+        quantize_model(NNXModel(nnx.Rngs(0)), "all:nvfp4")

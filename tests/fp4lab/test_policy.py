@@ -1,7 +1,10 @@
 """fp4lab.policy: precedence, depth selectors, presets on 12- and 7-block models, unused rules."""
 
+import dataclasses
+
 import pytest
 
+from fp4lab.recipe import get_recipe
 from fp4lab.policy import (Depth, PrecisionPolicy, Rule, all_layers, explain, get_policy,
                            nemotron3, nvfp4_paper)
 
@@ -94,3 +97,15 @@ def test_presets_by_name_and_errors():
         Rule(recipe="nvfp9")
     with pytest.raises(ValueError, match="not a valid regex"):
         Rule(recipe="bf16", pattern="(")
+
+
+def test_reprs_name_registered_recipes_and_skip_defaults():
+    """A user's report: ``repr(nemotron3().rules)`` was 15,940 characters (every recipe's
+    formats spelled out)."""
+    p = get_policy("nemotron3")
+    assert len(repr(p)) < 1000
+    assert repr(p.rules[2]) == ("Rule(recipe='bf16', depth=Depth(last_fraction=0.15), "
+                                "name='last 15% of blocks')")
+    assert repr(PrecisionPolicy(default="nvfp4")) == "PrecisionPolicy(default='nvfp4')"
+    unregistered = dataclasses.replace(get_recipe("nvfp4"), name="mine")
+    assert "OperandQuant" in repr(Rule(recipe=unregistered))  # no name to stand for it
