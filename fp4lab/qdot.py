@@ -257,7 +257,9 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     x, w, key, xq, wq, qw, fwd_probes, history = res
     x = _saved.restore(x, recipe.saved_x)
     b, m, _, n = plan.bmkn
-    dy = g.reshape(b, m, n)
+    # a constant cotangent (``loss = y.sum()``) would otherwise be quantized by XLA's
+    # constant folder at compile time: tens of seconds at 2048^2, the same bits at run time
+    dy = lax.optimization_barrier(g.reshape(b, m, n))
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
     dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend, amax)
