@@ -26,6 +26,7 @@ import math
 import re
 from pathlib import Path
 
+from experiments.cli import command
 from experiments.probes import layer_order
 from experiments.train import train
 from fp4lab.policy import PrecisionPolicy, Rule, explain, save_policy
@@ -111,7 +112,8 @@ def recommend(config, workdir: str | Path, *, ladder=("nvfp4", "mxfp8", "bf16"),
                                  max_mse=max_mse, max_rel_mse=max_rel_mse, operands=operands)
 
 
-def main(argv=None):
+@command
+def main(argv=None) -> int:
     from experiments.configs import describe_keys, load_config
 
     ap = argparse.ArgumentParser(
@@ -149,7 +151,8 @@ def main(argv=None):
         print(f"{layer:28s} {recipe:8s} {why}")
     print(explain(policy, list(chosen)))
     print(f"wrote {out}; train with precision.policy=file:{out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

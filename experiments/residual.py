@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import policies
+from experiments.cli import command
 from experiments.model import RESIDUAL_FORMATS, HybridLM, residual_probes
 from experiments.records import write_report
 from experiments.rollout import analysis_parser, load_run, token_log_probs
@@ -93,6 +94,7 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@command
 def main(argv=None) -> int:
     args = analysis_parser("The residual stream stored in FP8: per-block saturation, "
                            "underflow and SQNR, and the loss change.",

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.records import write_report
 from experiments.stats import mean_interval
@@ -204,6 +205,7 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@command
 def main(argv=None) -> int:
     ap = analysis_parser("Train/inference mismatch of rollouts in other precisions than the "
                          "trainer's.", out="results/rollout", batches=4)

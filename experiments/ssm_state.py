@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.records import write_report
 from experiments.rollout import analysis_parser, load_run, sample_tokens, token_log_probs
@@ -131,6 +132,7 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@command
 def main(argv=None) -> int:
     ap = analysis_parser("SSM state precision of a trained LM: KL to the FP32 state per "
                          "position, loss and length changes.", out="results/ssm_state",

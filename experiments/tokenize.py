@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.cli import command
 from experiments.data import LLMC_HEADER_BYTES, split_documents
 
 __all__ = ["tokenize", "train_bpe", "write_llmc", "corpus_key", "main", "EOT"]
@@ -175,6 +176,7 @@ def tokenize(paths=None, *, out, vocab_size: int = 4096, val_fraction: float = 0
     return {**manifest, "written": True}
 
 
+@command
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m experiments.tokenize",
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
         tokenize(args.paths or None, out=out, vocab_size=args.vocab_size,
                  val_fraction=args.val_fraction, suffixes=tuple(args.suffixes),
                  force=args.force, log=lambda m: print(m, file=sys.stderr))
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except ImportError as e:  # the tokenizers extra (other mistakes: experiments.cli)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
