@@ -13,7 +13,8 @@ bytes joined by a separator byte (0, which never occurs in source text). Tokens 
 (vocabulary 256).
 
 Batches are a pure function of ``(seed, step)``: training resumes bit-exactly at any step, and
-every run of a sweep sees the same batches.
+every run of a sweep sees the same batches. ``record()`` says what was read (the source, files,
+bytes and tokens of each split, the vocabulary): a run's ``result.json`` holds it as ``data``.
 
 Token files (``data.tokens``, :func:`load_tokens`, :class:`TokenData`) replace the bytes with
 the token ids of a tokenizer, memory-mapped (never read whole), in the two formats LM codebases
@@ -105,6 +106,17 @@ class TextData:
         return (f"{self.source}: {self.files[0]} train files ({self.train.size / 1e6:.1f} MB), "
                 f"{self.files[1]} validation files ({self.val.size / 1e6:.1f} MB), byte tokens")
 
+    def record(self) -> dict:
+        """What a run read, for its records: the source, the files and bytes read, the tokens
+        of each split and the vocabulary (a byte per token: each split's tokens are its
+        files' bytes and one separator between two files)."""
+        splits = {"train": (self.train, self.files[0]), "val": (self.val, self.files[1])}
+        return {"kind": "bytes", "source": self.source,
+                "files": {k: n for k, (_, n) in splits.items()},
+                "bytes": {k: int(x.size) - max(n - 1, 0) for k, (x, n) in splits.items()},
+                "tokens": {k: int(x.size) for k, (x, _) in splits.items()},
+                "vocab_size": self.vocab_size, "vocab_source": "bytes"}
+
     def _windows(self, data, starts, seq_len):
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
         tokens = data[idx].astype(np.int32)
@@ -186,6 +198,17 @@ class TokenData(TextData):
         return (f"{self.paths[0]} ({self.token_format}): {self.train.size:,} train and "
                 f"{self.val.size:,} validation tokens ({self.paths[1].name}), vocabulary "
                 f"{self.vocab_size:,} (from {self.vocab_source})")
+
+    def record(self) -> dict:
+        """What a run read: the two files (their absolute paths), their format and sizes in
+        bytes (headers included), their tokens and the vocabulary with where it came from."""
+        paths = dict(zip(("train", "val"), self.paths))
+        return {"kind": "tokens", "source": self.source, "token_format": self.token_format,
+                "files": {"train": 1, "val": 1},
+                "paths": {k: str(p.resolve()) for k, p in paths.items()},
+                "bytes": {k: p.stat().st_size for k, p in paths.items()},
+                "tokens": {"train": int(self.train.size), "val": int(self.val.size)},
+                "vocab_size": self.vocab_size, "vocab_source": self.vocab_source}
 
     def _windows(self, data, starts, seq_len):
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]

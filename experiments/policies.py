@@ -16,16 +16,23 @@
 * ``file:<path.json>``: a policy written by ``experiments.auto_assign`` (or
   ``fp4lab.policy.save_policy``); the library reads it the same way
   (``quantize_model(model, "file:policy.json")``, ``fp4lab.policy.load_policy``).
+
+A policy is identified by what it says, not by its name: :func:`fingerprint` hashes its
+rules (a run's ``config.json`` records them and the hash, and a run is resumed or reused only
+under a policy with the same hash).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 
-from fp4lab.policy import Depth, PrecisionPolicy, Rule, all_layers, get_policy, nemotron3
+from fp4lab.policy import (Depth, PrecisionPolicy, Rule, all_layers, get_policy, nemotron3,
+                           policy_to_dict)
 from fp4lab.recipe import RECIPES
 
-__all__ = ["get", "NAMED"]
+__all__ = ["get", "NAMED", "fingerprint"]
 
 NAMED = {
     # Kimi K2: BF16 compute, the MLP inputs stored for the backward pass as E4M3 1x128
@@ -67,3 +74,11 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
                          f"({', '.join(RECIPES)}), <recipe>_bf16_first<k>, "
                          "<recipe>_bf16_last<k>, nvfp4_paper, all:<recipe>, "
                          "file:<policy.json>") from None
+
+
+def fingerprint(policy: PrecisionPolicy) -> str:
+    """The SHA-256 of what ``policy`` says (``fp4lab.policy.policy_to_dict``: its rules,
+    default and block pattern, recipes by name) without its name: two policies with one
+    fingerprint assign every layer the same recipe."""
+    said = {k: v for k, v in policy_to_dict(policy).items() if k != "name"}
+    return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()

@@ -25,10 +25,14 @@ From every run's ``result.json`` it then writes:
   policy (mean over the probe steps and seeds; grey: the operand is not quantized).
 
 This module owns the plan, the loop over it and the reports; every file is written
-atomically (``experiments.records.write_atomic``). Each run's result is written when it
-finishes; rerunning the command skips finished runs (and resumes an interrupted one from its
-checkpoint). A run that fails is recorded with status ``failed`` and its error, and the sweep
-goes on (``--retry-failed`` runs it again).
+atomically (``experiments.records.write_atomic``). Before any run trains, the whole plan is
+checked (:func:`check_plan`: every run's config, policy and data), so that a mistake in the
+last run fails at once. Each run's result is written when it finishes; rerunning the command
+skips finished runs (and resumes an interrupted one from its checkpoint), but only those
+trained with the same config and under a policy that says the same (its ``config.json``
+holds the policy's rules and their hash): after a ``file:`` policy is edited, its runs are
+refused, not reported under the new content. A run that fails is recorded with status
+``failed`` and its error, and the sweep goes on (``--retry-failed`` runs it again).
 
 Beyond one machine: ``--shard i/n`` runs only the planned runs whose index is ``i`` modulo
 ``n`` into the shared ``--out`` folder (a job array or several hosts; every run folder
@@ -50,16 +54,22 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
-from experiments.configs import apply_overrides, config_changes, format_changes
+from experiments import policies
+from experiments.cli import command
+from experiments.configs import apply_overrides
+from experiments.data import TextData, load_data
 from experiments.probes import KIND_ORDER, layer_order
 from experiments.records import read_jsonl, write_atomic, write_json_atomic
 from experiments.stats import gap_difference, paired_gap
-from experiments.train import train
+from experiments.step import model_config
+from experiments.train import (check_config, check_data, config_record, describe_changes,
+                               resolve_policy, stored_changes, train)
 
-__all__ = ["run_sweep", "collect_results", "planned_runs", "sweep_variants", "results_table",
-           "difference_table", "comparison_table", "write_reports", "main"]
+__all__ = ["run_sweep", "check_plan", "collect_results", "planned_runs", "sweep_variants",
+           "results_table", "difference_table", "comparison_table", "write_reports", "main"]
 
 
 def sweep_seeds(config) -> list[int]:
@@ -178,13 +188,15 @@ class PlannedRun(NamedTuple):
 def planned_runs(config) -> list[PlannedRun]:
     """Every run, in order (seeds outer, then variants, then policies): each policy under
     every seed, or, when ``sweep.seeded_policies`` names some, those under every seed and
-    the rest under the first one only."""
+    the rest under the first one only. A seeded policy that the sweep does not run selects
+    nothing (``sweep.policies`` can be narrowed on the command line), but must be a policy."""
     seeds, every = sweep_seeds(config), tuple(config.sweep.get("seeded_policies", ()))
     variants = sweep_variants(config)
-    unknown = set(every) - {p for v in variants for p in v.policies}
-    if unknown:
-        raise ValueError(f"sweep.seeded_policies names {sorted(unknown)}, which are not in "
-                         f"sweep.policies")
+    for name in sorted(set(every) - {p for v in variants for p in v.policies}):
+        try:
+            policies.get(name)
+        except ValueError as e:
+            raise ValueError(f"sweep.seeded_policies: {e}") from None
     for v in variants:
         if len({run_name(p) for p in v.policies}) != len(v.policies):
             raise ValueError(f"sweep.policies has duplicates (after making folder names): "
@@ -223,18 +235,51 @@ def run_config(config, run: PlannedRun):
     return c
 
 
-def _run_one(config, run: PlannedRun, runs_dir: Path, retry_failed: bool,
+def check_plan(config, runs: list[PlannedRun], runs_dir: Path) -> dict[str, TextData]:
+    """Check every run of the plan before any trains (a mistake fails now, not after hours
+    of earlier runs): its config, its policy, its data (loaded once per ``data`` section),
+    the devices, and the run stored in its folder, which is reused or resumed only if it was
+    trained with the same config and a policy that says the same (its hash). Returns each
+    run's data, by run name."""
+    named = {r.policy for r in runs}
+    for pair in config.sweep.get("compare", ()):
+        if len(pair) != 2 or not set(pair) <= named:
+            raise ValueError(f"sweep.compare entry {pair!r} must be a pair of policies the "
+                             f"sweep runs ({', '.join(sorted(named))})")
+    loaded, data = {}, {}
+    for run in runs:
+        c = run_config(config, run)  # a variant's unknown key fails here
+        try:
+            check_config(c)
+            policy = resolve_policy(c)
+            key = json.dumps(c.data.to_dict(), sort_keys=True, default=str)
+            if key not in loaded:
+                loaded[key] = load_data(c.data)
+            data[run.name] = loaded[key]
+            check_data(c, data[run.name], jax.device_count())
+            model_config(c, data[run.name])  # the model section
+        except ValueError as e:
+            raise ValueError(f"sweep run {run.name!r}: {e}") from e
+        record = config_record(c, data[run.name], policy)
+        changes = stored_changes(runs_dir / run.name, record, data[run.name])
+        if changes:
+            raise ValueError(f"{runs_dir / run.name} holds {describe_changes(changes, run.policy)}"
+                             ": its results are not this sweep's. Use another --out, or "
+                             "remove that folder to train the run again")
+    return data
+
+
+def _run_one(config, run: PlannedRun, runs_dir: Path, data: TextData, retry_failed: bool,
              progress: bool) -> dict:
     workdir = runs_dir / run.name
-    c = run_config(config, run)
-    _check_same_config(c, workdir)
     done = workdir / "result.json"
     if done.exists():
         result = _read_result(done, run)
         if result["status"] == "ok" or not retry_failed:
             return result
     try:
-        return {**train(c, workdir, progress=progress), **_identity(run)}
+        return {**train(run_config(config, run), workdir, data=data, progress=progress),
+                **_identity(run)}
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
@@ -246,25 +291,19 @@ def _run_one(config, run: PlannedRun, runs_dir: Path, retry_failed: bool,
         return result
 
 
-def _check_same_config(c, workdir: Path):
-    """A finished or interrupted run is reused only if it was trained with this config."""
-    stored = workdir / "config.json"
-    if not stored.exists():
-        return
-    differ = config_changes(json.loads(stored.read_text()), c.to_dict())
-    if differ:
-        raise ValueError(f"{workdir} holds a run trained with another config "
-                         f"({format_changes(differ)}); use another --out or remove that folder")
-
-
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"i/n"`` -> ``(i, n)``: shard ``i`` of ``n`` (``0 <= i < n``)."""
+    """``"i/n"`` -> ``(i, n)``: shard ``i`` of ``n``, counted from 0 (``0 <= i < n``)."""
     try:
         i, n = (int(v) for v in text.split("/"))
     except ValueError:
-        raise ValueError(f"--shard {text!r} must look like i/n, e.g. 0/4") from None
+        raise ValueError(f"--shard {text!r} must look like I/N (shard I of N, counted from "
+                         "0), e.g. 0/4") from None
+    if n < 1:
+        raise ValueError(f"--shard {text!r}: the number of shards must be >= 1")
     if not 0 <= i < n:
-        raise ValueError(f"--shard {text!r}: need 0 <= i < n")
+        raise ValueError(f"--shard {text!r}: the shard index must be in 0..{n - 1} (shards "
+                         f"are counted from 0: {', '.join(f'{k}/{n}' for k in range(min(n, 3)))}"
+                         f"{', ...' if n > 3 else ''})")
     return i, n
 
 
@@ -275,23 +314,19 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     ``i`` modulo ``n`` (jobs of an array, or hosts, sharing ``out``: each run folder belongs
     to one shard), and no reports: :func:`collect_results` and :func:`write_reports` merge
     what exists (``--report``)."""
-    runs = planned_runs(config)
-    named = {r.policy for r in runs}
-    for pair in config.sweep.get("compare", ()):
-        if len(pair) != 2 or not set(pair) <= named:
-            raise ValueError(f"sweep.compare entry {pair!r} must be a pair of policies the "
-                             f"sweep runs ({', '.join(sorted(named))})")
-    for run in {r.variant.name: r for r in runs}.values():
-        run_config(config, run)  # a variant's unknown key fails now, not after hours
     out = Path(out)
-    runs_dir = out / "runs"
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"the sweep's output {str(out)!r} is a file, not a folder")
+    runs, runs_dir = planned_runs(config), out / "runs"
+    data = check_plan(config, runs, runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not config.get("compile_cache"):  # the seeds of a policy compile one program
         config = config.copy_and_resolve_references()
         config.compile_cache = str(out / "compile_cache")
     if shard is not None:
         runs = [r for k, r in enumerate(runs) if k % shard[1] == shard[0]]
-    results = [_run_one(config, r, runs_dir, retry_failed, progress) for r in runs]
+    results = [_run_one(config, r, runs_dir, data[r.name], retry_failed, progress)
+               for r in runs]
     if shard is None:
         write_reports(results, out, config.sweep.get("compare", ()))
     return results
@@ -741,10 +776,9 @@ def plot_heatmaps(results, metric: str, path: Path):
     _save_png(fig, path)
 
 
-def main(argv=None):
-    from experiments.configs import load_config
-
-    ap = argparse.ArgumentParser(description="Train one model under several precision "
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m experiments.sweep",
+                                 description="Train one model under several precision "
                                              "policies and compare.")
     ap.add_argument("--config", default="sweep", help="a config file or a name in "
                     "experiments/configs (default: sweep)")
@@ -752,27 +786,43 @@ def main(argv=None):
                     "results/sweep)")
     ap.add_argument("--retry-failed", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    ap.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+    ap.add_argument("--shard", default=None, metavar="I/N",
                     help="run only shard I of N of the planned runs (0 <= I < N) into the "
                     "shared --out folder, and write no report")
     ap.add_argument("--report", action="store_true", help="train nothing: merge the results "
                     "found in --out (from shards, or an unfinished sweep) into the reports")
+    # (a test runs this example through the parser and the plan of the default config)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=300 "
                     "sweep.policies=\"('bf16','nvfp4')\"")
+    return ap
+
+
+@command
+def main(argv=None):
+    from experiments.configs import load_config
+
+    ap = _parser()
     args = ap.parse_args(argv)
-    config = load_config(args.config, args.overrides)
-    if args.report and args.shard:
+    try:
+        shard = None if args.shard is None else parse_shard(args.shard)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.report and shard:
         ap.error("--report merges the shards' results: give it without --shard")
+    if args.report and not Path(args.out).is_dir():
+        raise FileNotFoundError(f"--report: no folder {args.out!r} to merge the results of "
+                                "(give the --out the sweep or its shards wrote to)")
+    config = load_config(args.config, args.overrides)
     try:
         results = collect_results(config, args.out) if args.report else run_sweep(
             config, args.out, retry_failed=args.retry_failed, progress=not args.quiet,
-            shard=args.shard)
+            shard=shard)
     except KeyboardInterrupt as e:  # TrainingInterrupted: the run in progress saved its state
         print(f"\nsweep interrupted. {e or ''} Finished runs are kept; run the same command "
               "again to continue the sweep.", file=sys.stderr)
         return 130
-    if args.shard:
-        print(f"shard {args.shard[0]}/{args.shard[1]}: {len(results)} runs done; merge with "
+    if shard:
+        print(f"shard {shard[0]}/{shard[1]}: {len(results)} runs done; merge with "
               f"--report when every shard has finished")
         return 0 if all(r["status"] == "ok" for r in results) else 1
     print(write_reports(results, Path(args.out), config.sweep.get("compare", ())))

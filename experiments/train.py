@@ -24,12 +24,20 @@ records and summaries in ``experiments.probes``. What a run does:
   same config: a workdir holding a run with another config is refused (naming the keys that
   differ) unless ``allow_changes`` (``--allow-changes train.steps``) names them, and then
   ``config_changes.jsonl`` and ``result.json`` record what changed at which step;
+* ``config.json``: the config with what it resolved to (:func:`config_record`): the model's
+  vocabulary (the data's when larger, as for token files) and the policy's rules and their
+  hash (``precision.policy_rules``, ``precision.policy_sha256``). A policy is identified by
+  what it says, not by its name or path: a run whose ``file:`` policy was edited since is
+  refused like one with another config (and so is reading it back, ``rollout.load_run``);
+* a config no run can train (a size of 0, a negative step count, a fraction outside [0, 1],
+  an unknown backend) is refused before anything is loaded (:func:`check_config`);
 * Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
   (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once); the processes of a
   multi-process run agree on it at the next log step and all stop there;
 * ``run_info.json`` (written when the run starts, and in ``result.json`` under
   ``run_info``): package versions, git commit, devices, processes, host, start time
-  (``experiments.runinfo``);
+  (``experiments.runinfo``); ``result.json``'s ``data``: what the run read (its source,
+  files, bytes and tokens per split, vocabulary: ``TextData.record``);
 * ``metrics.jsonl`` (one line per step, plus ``val`` and ``probe`` lines) and TensorBoard
   event files under ``tb/``; a tqdm progress bar with loss and tokens/s;
 * a non-finite loss or gradient: the step is rejected on the device, the last good state is
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import signal
 import sys
@@ -72,6 +81,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from experiments import policies, runinfo
+from experiments.cli import command
+from experiments.configs import POLICY_HASH, config_changes, format_changes
 from experiments.data import Batch, TextData, load_data
 from experiments.model import HybridLM
 from experiments.probes import probe_records, summarize_probes, underflow_by_kind
@@ -79,9 +90,11 @@ from experiments.records import RunRecords, read_jsonl
 from experiments.step import (GradReduce, TrainState, make_eval, make_optimizer, make_step,
                               model_config)
 from fp4lab.flax import quantize_model
+from fp4lab.policy import PrecisionPolicy, policy_to_dict
 
-__all__ = ["train", "main", "TrainingDiverged", "TrainingInterrupted", "TrainState",
-           "make_optimizer", "make_step", "model_config", "read_jsonl"]
+__all__ = ["train", "main", "check_config", "check_data", "resolve_policy", "config_record",
+           "stored_changes", "describe_changes", "TrainingDiverged", "TrainingInterrupted",
+           "TrainState", "make_optimizer", "make_step", "model_config", "read_jsonl"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -121,8 +134,60 @@ class _StopOnInterrupt:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check(config, data: TextData, n_devices: int):
-    d, t = config.data, config.train
+# the least value of every count and size a run needs (0: the feature can be off)
+_LEAST = {"data.batch_size": 1, "data.seq_len": 1, "data.val_batches": 1, "train.steps": 1,
+          "train.warmup": 0, "train.log_every": 1, "train.eval_every": 0,
+          "train.ckpt_every": 0, "probes.every": 0, "model.d_model": 1, "model.vocab": 1,
+          "model.num_heads": 1, "model.mlp_mult": 1, "model.ssm_expand": 1,
+          "model.ssm_head_dim": 1, "model.ssm_state": 1, "model.conv_width": 1}
+# the real numbers of a run and the interval each must be in
+_RANGES = {"train.lr": ("(0, inf)", lambda v: 0 < v < math.inf),
+           "train.clip": ("[0, inf)", lambda v: 0 <= v < math.inf),
+           "train.weight_decay": ("[0, inf)", lambda v: 0 <= v < math.inf),
+           "train.mtp_weight": ("[0, inf)", lambda v: 0 <= v < math.inf),
+           "train.min_lr_ratio": ("[0, 1]", lambda v: 0 <= v <= 1),
+           "train.decay_fraction": ("[0, 1]", lambda v: 0 <= v <= 1),
+           "train.bf16_last_fraction": ("[0, 1]", lambda v: 0 <= v <= 1),
+           "data.val_fraction": ("(0, 1)", lambda v: 0 < v < 1)}
+
+
+def _values(config, keys):
+    """``(key, value)`` of each dotted key the config has (a run stored before a key existed
+    has not)."""
+    for key in keys:
+        section, name = key.split(".")
+        if name in config.get(section, {}):
+            yield key, config[section][name]
+
+
+def check_config(config):
+    """Refuse a config no run can train, before anything is loaded or compiled: a count or
+    size out of range (``data.batch_size=0`` would train on nothing and report a loss of 0),
+    a number outside its interval, an unknown backend, optimizer or reduction."""
+    from fp4lab.backend import BACKENDS
+
+    for key, v in _values(config, _LEAST):
+        if isinstance(v, bool) or not isinstance(v, int) or v < _LEAST[key]:
+            raise ValueError(f"{key}={v!r} must be an integer >= {_LEAST[key]}")
+    for key, v in _values(config, _RANGES):
+        interval, ok = _RANGES[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ValueError(f"{key}={v!r} must be a number in {interval}")
+    t = config.train
+    if t.warmup >= t.steps:
+        raise ValueError(f"train.warmup={t.warmup} must be below train.steps={t.steps}")
+    backend = config.precision.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"precision.backend={backend!r}: use one of {', '.join(BACKENDS)}")
+    make_optimizer(t, num_heads=config.model.num_heads)  # the optimizer and schedule names
+    if _grad_reduce(config) is not None and config.probes.every:
+        raise ValueError(f"train.grad_reduce={t.grad_reduce!r} computes per-replica gradients "
+                         "and the probes measure the global step: set probes.every=0")
+
+
+def check_data(config, data: TextData, n_devices: int):
+    """What the config asks of the data and the devices."""
+    d = config.data
     if d.batch_size % n_devices:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by the "
                          f"{n_devices} devices (data parallelism splits the batch)")
@@ -130,32 +195,6 @@ def _check(config, data: TextData, n_devices: int):
     if min(data.train.size, data.val.size) <= need:
         raise ValueError(f"data.seq_len={d.seq_len} does not fit the corpus ({data.train.size} "
                          f"train / {data.val.size} validation tokens)")
-    if t.steps < 1 or t.warmup >= t.steps:
-        raise ValueError(f"train.steps={t.steps} must be >= 1 and > train.warmup={t.warmup}")
-    if not 0 <= t.bf16_last_fraction <= 1:
-        raise ValueError(f"train.bf16_last_fraction={t.bf16_last_fraction} is not in [0, 1]")
-    if _grad_reduce(config) is not None and config.probes.every:
-        raise ValueError(f"train.grad_reduce={t.grad_reduce!r} computes per-replica gradients "
-                         "and the probes measure the global step: set probes.every=0")
-
-
-def _check_resume(stored: Path, config, allow_changes, workdir) -> dict[str, tuple]:
-    """The config changes of a resumed run: refused unless every changed key is allowed (by
-    its dotted name or its section, e.g. ``train``)."""
-    from experiments.configs import config_changes, format_changes
-
-    if not stored.exists():
-        return {}
-    changes = config_changes(json.loads(stored.read_text()), config.to_dict())
-    allowed = set(allow_changes)
-    refused = {k: v for k, v in changes.items()
-               if k not in allowed and k.split(".")[0] not in allowed}
-    if refused:
-        raise ValueError(
-            f"{workdir} holds a run with another config ({format_changes(refused)}); resuming "
-            "it would blend two runs. Use another --workdir, remove this one, or continue "
-            f"this run with the new values: --allow-changes {','.join(refused)}")
-    return changes
 
 
 def _grad_reduce(config) -> GradReduce | None:
@@ -176,6 +215,72 @@ def _grad_reduce(config) -> GradReduce | None:
                          "model.mtp_tied_head=True")
     return GradReduce(mode, tuple(tuple(r) for r in t.get("grad_reduce_rules", ())),
                       survival)
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def resolve_policy(config) -> PrecisionPolicy:
+    """The config's precision policy. A config read back from a run's ``config.json`` (which
+    holds the policy's hash) must still resolve to the policy the run trained under."""
+    policy = policies.get(config.precision.policy)
+    then, now = config.precision.get("policy_sha256"), policies.fingerprint(policy)
+    if then and then != now:
+        raise ValueError(f"run {config.name!r} was "
+                         f"{_policy_changed(config.precision.policy, then, now)}; the rules it "
+                         "trained under are in its config.json (precision.policy_rules)")
+    return policy
+
+
+def config_record(config, data: TextData, policy: PrecisionPolicy) -> dict:
+    """What a run's ``config.json`` holds: the config with what it resolved to, the model's
+    vocabulary (``model.vocab``: the data's when that is larger) and the policy's rules
+    (``precision.policy_rules``) and their hash (``precision.policy_sha256``, what identifies
+    the policy: :func:`experiments.policies.fingerprint`)."""
+    record = config.to_dict()
+    record["model"]["vocab"] = model_config(config, data).vocab
+    record["precision"].update(policy_sha256=policies.fingerprint(policy),
+                               policy_rules=policy_to_dict(policy))
+    return record
+
+
+def stored_changes(workdir, record: dict, data: TextData) -> dict[str, tuple] | None:
+    """The config changes from the run stored in ``workdir`` (its ``config.json``) to
+    ``record`` (:func:`config_record`); None if no run is stored there.
+
+    A run stored before runs recorded what their config resolved to (no policy hash) had the
+    config's ``model.vocab`` (its model had the data's when larger) and, under a named
+    policy, is taken to have had that name's rules (they are the code's); a ``file:``
+    policy's content then cannot be known: the hash differs from any, and the run is refused
+    (docs/experiments.md)."""
+    path = Path(workdir) / "config.json"
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    precision, model = stored.setdefault("precision", {}), stored.setdefault("model", {})
+    if "policy_sha256" not in precision:
+        model["vocab"] = max(model.get("vocab", 0), data.vocab_size)
+        if not str(precision.get("policy", "")).startswith("file:"):
+            precision["policy_sha256"] = record["precision"]["policy_sha256"]
+    return config_changes(stored, record)
+
+
+def describe_changes(changes: dict[str, tuple], policy: str) -> str:
+    """``a run with another config (train.steps: 6 -> 8)`` and/or what its policy said."""
+    rest = {k: v for k, v in changes.items() if k != POLICY_HASH}
+    parts = [f"a run with another config ({format_changes(rest)})"] if rest else []
+    if POLICY_HASH in changes:
+        parts.append(f"a run {_policy_changed(policy, *changes[POLICY_HASH])}")
+    return " and ".join(parts)
+
+
+def _policy_changed(name: str, then: str | None, now: str) -> str:
+    what = f"policy file {name[5:]!r}" if name.startswith("file:") else f"policy {name!r}"
+    if then is None:
+        return (f"stored before runs recorded their policy's content: whether {what} has "
+                "changed since it trained cannot be told")
+    return (f"trained under {what} as it read then, and it has changed since (sha256 "
+            f"{then[:12]}... then, {now[:12]}... now)")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -209,9 +314,11 @@ class _Placement:
 @dataclasses.dataclass
 class _Setup:
     """What a run trains: the quantized model (and its all-BF16 twin for the late switch),
-    the optimizer, the initial state, the probes' zero inputs (None: no probes)."""
+    the optimizer, the initial state, the probes' zero inputs (None: no probes), and what its
+    config resolved to (``config.json``: :func:`config_record`)."""
 
     data: TextData
+    record: dict
     place: _Placement
     qmodel: object
     bf16_model: object
@@ -225,12 +332,13 @@ class _Setup:
 
 def _build(config, data: TextData | None) -> _Setup:
     t, d = config.train, config.data
-    policy = policies.get(config.precision.policy)
+    check_config(config)
+    policy = resolve_policy(config)
     if data is None:
         data = load_data(d)
-    model = HybridLM(model_config(config, data))
     devices = jax.devices()
-    _check(config, data, len(devices))
+    check_data(config, data, len(devices))
+    model = HybridLM(model_config(config, data))
     place = _Placement.over(devices)
     tx, sched = make_optimizer(t, num_heads=config.model.num_heads)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
@@ -240,7 +348,7 @@ def _build(config, data: TextData | None) -> _Setup:
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1), amax_history=history)
     return _Setup(
-        data=data, place=place, qmodel=qmodel,
+        data=data, record=config_record(config, data, policy), place=place, qmodel=qmodel,
         bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
         state=jax.device_put(state, place.replicated),
         probes=qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None,
@@ -282,19 +390,34 @@ class _Checkpoints:
             shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _resume(ckpt: _Checkpoints, records: RunRecords, state: TrainState, config,
-            allow_changes, workdir: Path) -> TrainState:
+def _check_resume(workdir: Path, setup: _Setup, policy: str, allow_changes) -> dict:
+    """The config changes of a resumed run: refused unless every changed key is allowed (by
+    its dotted name or its section, e.g. ``train``)."""
+    changes = stored_changes(workdir, setup.record, setup.data) or {}
+    allowed = set(allow_changes)
+    refused = {k: v for k, v in changes.items()
+               if k not in allowed and k.split(".")[0] not in allowed}
+    if refused:
+        raise ValueError(
+            f"{workdir} holds {describe_changes(refused, policy)}; resuming it would blend two "
+            "runs. Use another --workdir, remove this one, or continue this run with the new "
+            f"values: --allow-changes {','.join(refused)}")
+    return changes
+
+
+def _resume(ckpt: _Checkpoints, records: RunRecords, setup: _Setup, config,
+            allow_changes) -> TrainState:
     """The state to start from: the latest checkpoint's (the metrics written after it are
-    dropped) or ``state`` for a new run; writes ``config.json`` and the config changes."""
-    start, changes = 0, {}
+    dropped) or the initial one for a new run; writes ``config.json`` and the changes."""
+    start, changes, state = 0, {}, setup.state
     if ckpt.latest() is not None:
-        changes = _check_resume(records.out / "config.json", config, allow_changes, workdir)
+        changes = _check_resume(records.out, setup, config.precision.policy, allow_changes)
         state = ckpt.restore(state)
         start = int(state.step)
         records.keep_before(start)
     else:
         records.start_fresh()
-    records.write_config(config.to_dict(), start, changes)
+    records.write_config(setup.record, start, changes)
     return state
 
 
@@ -306,7 +429,7 @@ def _sync(name: str):
         multihost_utils.sync_global_devices(f"experiments.train:{name}")
 
 
-def _start_run_info(records: RunRecords, config, start: int) -> dict:
+def _start_run_info(records: RunRecords, record: dict, start: int) -> dict:
     """``run_info.json`` of this start of the run (a resumed run keeps the earlier starts'
     under ``earlier``, without their config); returns it."""
     earlier = []
@@ -314,7 +437,7 @@ def _start_run_info(records: RunRecords, config, start: int) -> dict:
     if start and records.write and path.exists():
         old = json.loads(path.read_text())
         earlier = old.pop("earlier", []) + [{k: v for k, v in old.items() if k != "config"}]
-    info = runinfo.collect(config.to_dict(), start_step=start, earlier=earlier)
+    info = runinfo.collect(record, start_step=start, earlier=earlier)
     records.write_run_info(info)
     return info
 
@@ -517,6 +640,8 @@ def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict
     summary = summarize_probes(probe_history)
     return {
         "name": config.name, "policy": config.precision.policy, "status": "ok",
+        "policy_sha256": setup.record["precision"]["policy_sha256"],
+        "data": setup.data.record(),
         "steps": t.steps, "tokens": t.steps * d.batch_size * d.seq_len,
         "params": int(sum(x.size for x in jax.tree.leaves(setup.params))),
         "final_train_loss": float(np.mean([r["loss"] for r in steps[-tail:]])),
@@ -543,19 +668,22 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
     ``allow_changes``: config keys (``"train.steps"``) or sections (``"train"``) that may
     differ from the run already in ``workdir`` when resuming it (see the module docstring)."""
     workdir = Path(workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    if workdir.exists() and not workdir.is_dir():
+        raise NotADirectoryError(f"workdir {str(workdir)!r} is a file: a run's files need a "
+                                 "folder (a new one, or the run's to resume it)")
     if config.get("compile_cache"):
         jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
     setup = _build(config, data)
+    workdir.mkdir(parents=True, exist_ok=True)
     ckpt = _Checkpoints(workdir)
     # process 0 writes the run's files; the others write none and read process 0's
     writer = jax.process_index() == 0
     records = RunRecords(workdir, write=writer)
     if writer:
         ckpt.remove_partial()
-    state = _resume(ckpt, records, setup.state, config, allow_changes, workdir)
+    state = _resume(ckpt, records, setup, config, allow_changes)
     start = int(state.step)
-    info = _start_run_info(records, config, start)
+    info = _start_run_info(records, setup.record, start)
     _sync("resumed")  # process 0 has rewritten metrics.jsonl for the others to read
     t, d = config.train, config.data
     with (records,
@@ -617,6 +745,7 @@ def _initialize_distributed(args, ap):
                                num_processes=args.num_processes, process_id=args.process_id)
 
 
+@command
 def main(argv=None) -> int:
     from experiments.configs import load_config
 

@@ -26,9 +26,10 @@ def _load_module(path: Path):
 
 def sweep_section(policies, **keys) -> ml_collections.ConfigDict:
     """A sweep config's ``sweep`` section (``experiments.sweep``): ``policies`` and, where
-    given, ``seeds`` (a count, 1 by default, or a list of seeds), ``seeded_policies`` (the
-    policies run under every seed; () = all), ``sizes``, ``variants`` and ``compare`` (()
-    each; docs/experiments.md)."""
+    given, ``seeds`` (a count, 1 by default, or a list of seeds), ``seeded_policies`` (those
+    of the sweep's policies that run under every seed; () = all; a policy the sweep does not
+    run selects nothing), ``sizes``, ``variants`` and ``compare`` (() each;
+    docs/experiments.md)."""
     section = dict(policies=tuple(policies), seeds=1, seeded_policies=(), sizes=(),
                    variants=(), compare=())
     unknown = sorted(set(keys) - set(section))
@@ -60,7 +61,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collecti
             value = float(value)
         if isinstance(old, tuple) and isinstance(value, (list, str)):
             value = tuple(value) if isinstance(value, list) else (value,)
-        node[parts[-1]] = value
+        try:
+            node[parts[-1]] = value
+        except TypeError:  # ml_collections keeps a key's type
+            raise ValueError(f"override {item!r}: {key} must be of type "
+                             f"{type(old).__name__} (like its default, {old!r}), not "
+                             f"{value!r}") from None
     return config
 
 
@@ -80,6 +86,9 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
 # values): the compile cache, and the sweep a run belongs to (a sweep sets each run's policy
 # and seed in precision.policy and seed, which are part of it)
 NOT_PART_OF_THE_RUN = ("compile_cache", "sweep")
+# what a run's config.json records of its resolved policy: its rules are compared through
+# their hash, precision.policy_sha256 (experiments.train.config_record)
+POLICY_HASH, POLICY_RULES = "precision.policy_sha256", "precision.policy_rules"
 
 
 def _added_later() -> dict:
@@ -111,7 +120,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     """``{dotted key: (old value, new value)}`` for every key whose value differs between two
     configs given as dicts (``ConfigDict.to_dict()`` or a stored ``config.json``); values are
-    compared as JSON stores them (tuples as lists), missing keys as ``None``."""
+    compared as JSON stores them (tuples as lists), missing keys as ``None``. The resolved
+    policy's rules are compared through their hash, which is left out when the policy's
+    name changed too (the name says it)."""
     import json
 
     norm = lambda d: _flat(json.loads(json.dumps(d, sort_keys=True, default=float)))  # noqa
@@ -120,12 +131,16 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     for k, v in added.items():  # a run stored before the key existed had this value
         if k not in a and b.get(k) == v:
             a[k] = v
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not _outside_the_run(k)}
+    changes = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+               if a.get(k) != b.get(k) and not _outside_the_run(k)}
+    if "precision.policy" in changes:
+        changes.pop(POLICY_HASH, None)
+    return changes
 
 
 def _outside_the_run(key: str) -> bool:
-    return any(key == k or key.startswith(f"{k}.") for k in NOT_PART_OF_THE_RUN)
+    return any(key == k or key.startswith(f"{k}.")
+               for k in (*NOT_PART_OF_THE_RUN, POLICY_RULES))
 
 
 def format_changes(changes: dict[str, tuple]) -> str:

@@ -14,23 +14,31 @@ from fp4lab.policy import explain, policy_from_dict, policy_to_dict
 from fp4lab.recipe import OPERANDS
 
 
+def tiny_sweep(corpus_dir, *overrides):
+    """sweep_tiny on the tests' corpus (the ``text`` fixture's data: json's sources)."""
+    return load_config("sweep_tiny", [f"data.paths=('{corpus_dir}',)", "data.val_fraction=0.3",
+                                      *overrides])
+
+
 @pytest.mark.slow
-def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, text, tiny,
+def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus_dir, tiny,
                                                               monkeypatch):
-    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp5','nvfp4')",
-                                        "train.steps=6", "probes.every=3"])
+    config = tiny_sweep(corpus_dir, "sweep.policies=('bf16','mxfp4','nvfp4')", "train.steps=6",
+                        "probes.every=3")
     config.compile_cache = tiny.compile_cache
     calls = []
 
     def counting_train(c, workdir, **kw):
         calls.append(c.precision.policy)
-        return real_train(c, workdir, data=text, **kw)
+        if c.precision.policy == "mxfp4" and calls.count("mxfp4") == 1:
+            raise RuntimeError("boom")  # a run that fails while training
+        return real_train(c, workdir, **kw)
 
     monkeypatch.setattr(sweep, "train", counting_train)
     results = sweep.run_sweep(config, tmp_path, progress=False)
     assert [r["status"] for r in results] == ["ok", "failed", "ok"]
-    assert "unknown policy 'nvfp5'" in results[1]["error"]
-    assert calls == ["bf16", "nvfp5", "nvfp4"]
+    assert results[1]["error"] == "RuntimeError: boom"
+    assert calls == ["bf16", "mxfp4", "nvfp4"]
     for f in ("results.csv", "results.md", "loss_curves.png", "underflow_heatmap.png",
               "sqnr_heatmap.png"):
         assert (tmp_path / f).stat().st_size > 0, f
@@ -44,7 +52,7 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, text, 
     assert again[2]["val_loss"] == results[2]["val_loss"]  # resumed from its final checkpoint
     calls.clear()
     sweep.run_sweep(config, tmp_path, progress=False, retry_failed=True)
-    assert calls == ["nvfp5"]
+    assert calls == ["mxfp4"]
     config.train.lr = 1e-2  # another config must not silently reuse these runs
     with pytest.raises(ValueError, match=r"another config \(train.lr: 0.003 -> 0.01\)"):
         sweep.run_sweep(config, tmp_path, progress=False)
@@ -103,8 +111,11 @@ def test_planned_runs_follow_sweep_seeds(tiny):
         with pytest.raises(ValueError, match="sweep.seeds"):
             sweep.sweep_seeds(c)
     c.sweep.seeds, c.sweep.seeded_policies = 2, ("nvfp5",)
-    with pytest.raises(ValueError, match=r"seeded_policies names \['nvfp5'\]"):
+    with pytest.raises(ValueError, match=r"sweep.seeded_policies: unknown policy 'nvfp5'"):
         sweep.planned_runs(c)
+    c.sweep.seeded_policies = ("bf16", "nemotron3")  # not in the sweep: selects nothing
+    assert [r.name for r in sweep.planned_runs(c)] == [
+        "bf16-seed0", "nvfp4-seed0", "mxfp8-seed0", "bf16-seed1"]
     assert sweep.run_name("file:a/b.json", 2) == "file_a_b.json-seed2"
 
 
@@ -141,11 +152,10 @@ def test_runs_that_differ_only_in_the_seed_compile_one_program(tiny, text):
 
 
 @pytest.mark.slow
-def test_a_sweep_over_seeds_reports_intervals(tmp_path, text, tiny, monkeypatch):
-    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=2",
-                                        "train.steps=6", "probes.every=3"])
+def test_a_sweep_over_seeds_reports_intervals(tmp_path, corpus_dir, tiny):
+    config = tiny_sweep(corpus_dir, "sweep.policies=('bf16','nvfp4')", "sweep.seeds=2",
+                        "train.steps=6", "probes.every=3")
     config.compile_cache = tiny.compile_cache
-    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: real_train(c, w, data=text, **kw))
     results = sweep.run_sweep(config, tmp_path, progress=False)
     assert [(r["policy"], r["seed"]) for r in results] == [
         ("bf16", 0), ("nvfp4", 0), ("bf16", 1), ("nvfp4", 1)]
@@ -192,8 +202,10 @@ def test_sharded_sweeps_merge_into_the_sequential_report(tmp_path, monkeypatch):
     assert sweep.main(["--config", "sweep_tiny", "--out", str(tmp_path / "sharded"), "--report",
                        "sweep.policies=('bf16','nvfp4','mxfp8')", "sweep.seeds=2",
                        "sweep.seeded_policies=('bf16','nvfp4')"]) == 0
-    for bad in ("3/3", "1", "a/b"):
-        with pytest.raises(ValueError, match="--shard"):
+    for bad, error in (("3/3", r"index must be in 0\.\.2 \(shards are counted from 0: "
+                                r"0/3, 1/3, 2/3\)"), ("1", "must look like I/N"),
+                       ("a/b", "must look like I/N"), ("0/0", "number of shards must be >= 1")):
+        with pytest.raises(ValueError, match=f"--shard '{bad}'.*{error}"):
             sweep.parse_shard(bad)
 
 
@@ -410,3 +422,115 @@ def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"both set \['model.d_model'\]"):
         sweep.run_sweep(config, tmp_path, progress=False)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def _recording_train(c, workdir, *, data, **kw):
+    """A run's config.json and result.json as train writes them, without training."""
+    from experiments.records import write_json_atomic
+    from experiments.train import config_record, resolve_policy
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = resolve_policy(c)
+    write_json_atomic(workdir / "config.json", config_record(c, data, policy))
+    result = {"name": c.name, "policy": c.precision.policy, "status": "ok", "val_loss": 2.0,
+              "final_train_loss": 2.0, "tokens_per_s": 1.0, "layers": {
+                  "head": policy.default.name}}
+    write_json_atomic(workdir / "result.json", result)
+    return result
+
+
+def test_a_policy_file_is_identified_by_its_content(tmp_path, corpus_dir, monkeypatch):
+    """Edit a ``file:`` policy and rerun the sweep: its finished run is not reused under the
+    edited file (the old numbers were reported under it); with the file as it was, it is."""
+    from fp4lab.policy import all_layers, save_policy
+
+    calls = []
+    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: calls.append(c.name) or
+                        _recording_train(c, w, **kw))
+    policy = tmp_path / "policy.json"
+    save_policy(all_layers("nvfp4"), policy)
+    config = tiny_sweep(corpus_dir, f"sweep.policies=('bf16','file:{policy}')")
+    out = tmp_path / "sweep"
+    sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    assert len(calls) == 2
+    stored = json.loads((out / "runs" / sweep.run_name(f"file:{policy}") / "config.json")
+                        .read_text())["precision"]
+    assert stored["policy_rules"]["default"] == "nvfp4" and len(stored["policy_sha256"]) == 64
+    sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    assert len(calls) == 2  # the same content: reused
+    save_policy(all_layers("mxfp8"), policy)  # edited
+    with pytest.raises(ValueError, match=f"trained under policy file '{policy}' as it read "
+                                         r"then, and it has changed since \(sha256 "
+                                         ".*remove that folder"):
+        sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    assert len(calls) == 2  # refused before anything trained
+    save_policy(all_layers("nvfp4"), policy)  # as it was
+    assert [r["layers"] for r in sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+            ] == [{"head": "bf16"}, {"head": "nvfp4"}] and len(calls) == 2
+    # runs stored before config.json held the policy's hash: a named policy's is its name's
+    # (the code's rules), a file's content then cannot be known
+    for name in ("bf16", sweep.run_name(f"file:{policy}")):
+        path = out / "runs" / name / "config.json"
+        old = json.loads(path.read_text())
+        del old["precision"]["policy_sha256"], old["precision"]["policy_rules"]
+        path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=f"stored before runs recorded their policy's "
+                                         f"content: whether policy file '{policy}' has "
+                                         "changed since it trained cannot be told"):
+        sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    config.sweep.policies = ("bf16",)
+    sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    assert len(calls) == 2
+
+
+def test_the_whole_plan_is_checked_before_any_run_trains(tmp_path, corpus_dir, monkeypatch):
+    """A bad policy name, backend or variant failed only when its run started, after the
+    earlier runs had trained (for minutes)."""
+    from experiments.data import load_data
+
+    calls, loads = [], []
+    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: calls.append(c.name) or {})
+    monkeypatch.setattr(sweep, "load_data", lambda d: loads.append(d) or load_data(d))
+    for overrides, error in (
+            (["sweep.policies=('bf16','nvfp4','nvfp5')"], "sweep run 'nvfp5': unknown policy"),
+            (["sweep.policies=('bf16','file:/no/such.json')"], "/no/such.json"),
+            (["precision.backend=cuda"], r"sweep run 'bf16': precision.backend='cuda'"),
+            (["sweep.variants=({'name': 'a'}, {'name': 'b', 'data.seq_len': 1000000})"],
+             r"sweep run 'b/bf16': data.seq_len=1000000 does not fit the corpus"),
+            (["sweep.variants=({'name': 'a'}, {'name': 'b', 'data.val_batches': 0})"],
+             r"sweep run 'b/bf16': data.val_batches=0 must be an integer >= 1"),
+            (["sweep.variants=({'name': 'a'}, {'name': 'b', 'model.pattern': 'M?'})"],
+             r"sweep run 'b/bf16': pattern 'M\?': unknown block kind")):
+        loads.clear()
+        with pytest.raises((ValueError, FileNotFoundError), match=error):
+            sweep.run_sweep(tiny_sweep(corpus_dir, *overrides), tmp_path, progress=False)
+        assert not calls and not (tmp_path / "runs").exists()
+        assert not loads or "backend" not in error  # refused before loading the data
+    loads.clear()
+    sweep.run_sweep(tiny_sweep(corpus_dir, "sweep.policies=('bf16','nvfp4')"), tmp_path,
+                    progress=False, shard=(0, 1))
+    assert calls == ["bf16", "nvfp4"] and len(loads) == 1  # once per data section
+
+
+def test_the_help_example_parses_and_plans_on_the_default_config():
+    import shlex
+
+    ap = sweep._parser()
+    text = next(a.help for a in ap._actions if a.dest == "overrides")
+    example = shlex.split(text.split("e.g. ", 1)[1])
+    args = ap.parse_args(example)
+    config = load_config(args.config, args.overrides)
+    assert config.train.steps == 300 and config.sweep.policies == ("bf16", "nvfp4")
+    assert [r.name for r in sweep.planned_runs(config)] == [
+        f"{p}-seed{s}" for s in range(3) for p in ("bf16", "nvfp4")]
+
+
+def test_sweep_command_line_mistakes_say_what_is_wrong(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--shard", "2/2", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "error: --shard '2/2': the shard index must be in 0..1" in capsys.readouterr().err
+    assert sweep.main(["--report", "--out", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --report: no folder {str(tmp_path / 'none')!r} to merge the results of "
+        "(give the --out the sweep or its shards wrote to)\n")

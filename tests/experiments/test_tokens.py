@@ -316,3 +316,50 @@ def test_training_on_token_files_resumes_bit_exactly_in_both_formats(tiny, token
     resumed = train(tiny, tmp_path / "nanogpt", progress=False)
     assert losses(tmp_path / "nanogpt") == losses(tmp_path / "llmc")
     assert resumed["val_loss"] == full["val_loss"]
+    # what the runs read: the files, their tokens and the vocabulary (also the model's)
+    vocab = json.loads((token_dirs / "llmc" / "tokenizer.json").read_text())["model"]["vocab"]
+    for name, r in (("llmc", full), ("nanogpt", resumed)):
+        assert r["data"]["token_format"] == name and r["data"]["vocab_size"] == len(vocab)
+        assert r["data"]["paths"]["train"] == str(token_dirs / name / "train.bin")
+        assert json.loads((tmp_path / name / "result.json").read_text())["data"] == r["data"]
+        stored = json.loads((tmp_path / name / "config.json").read_text())
+        assert stored["model"]["vocab"] == len(vocab) > 256
+
+
+def test_a_run_records_what_it_read_and_its_models_vocabulary(tiny, tmp_path, text,
+                                                               corpus_dir):
+    """config.json said vocab 256 for token files of 1,000 ids, and nothing recorded the
+    files, bytes or tokens a run read."""
+    from experiments import policies
+    from experiments.train import config_record, stored_changes
+
+    train, val = np.arange(5000) % 1000, np.arange(700) % 999
+    path = pair(tmp_path / "t", train, val)
+    d = load_tokens(path)
+    assert d.record() == {
+        "kind": "tokens", "source": str(path), "token_format": "llmc",
+        "files": {"train": 1, "val": 1},
+        "paths": {"train": str(path.resolve()), "val": str(path.with_name("val.bin").resolve())},
+        "bytes": {"train": 1024 + 2 * 5000, "val": 1024 + 2 * 700},
+        "tokens": {"train": 5000, "val": 700},
+        "vocab_size": 1000, "vocab_source": "the largest token id + 1"}
+    tiny.data.tokens = str(path)
+    record = config_record(tiny, d, policies.get("bf16"))
+    assert record["model"]["vocab"] == 1000 and tiny.model.vocab == 256
+    b = text.record()  # the byte corpus: the files' sizes on disk, one token per byte
+    docs = split_documents([corpus_dir], val_fraction=0.3)[0]
+    assert b == {"kind": "bytes", "source": str(corpus_dir),
+                 "files": {k: len(docs[k]) for k in ("train", "val")},
+                 "bytes": {k: sum((corpus_dir / name).stat().st_size for name, _ in docs[k])
+                           for k in ("train", "val")},
+                 "tokens": {"train": text.train.size, "val": text.val.size},
+                 "vocab_size": 256, "vocab_source": "bytes"}
+    # a run stored before config.json held what its config resolved to: the config's vocab
+    run = tmp_path / "run"
+    run.mkdir()
+    old = tiny.to_dict()
+    (run / "config.json").write_text(json.dumps(old))
+    assert stored_changes(run, record, d) == {}  # its model had the data's vocabulary
+    old["model"]["vocab"] = 2000
+    (run / "config.json").write_text(json.dumps(old))
+    assert stored_changes(run, record, d) == {"model.vocab": (2000, 1000)}

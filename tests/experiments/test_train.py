@@ -231,3 +231,124 @@ def test_fp8_delayed_scaling_carries_its_history_through_checkpoints(tiny, text,
     current.precision.policy = "fp8_hybrid"  # the same formats with current scaling differ
     assert train(current, tmp_path / "current", data=text, progress=False)["val_loss"] != \
         full["val_loss"]
+
+
+def test_nonsensical_sizes_are_refused_before_anything_loads(tiny, tmp_path, monkeypatch):
+    """``data.batch_size=0`` trained to ``status: ok`` with a loss of 0 and
+    ``data.val_batches=0`` to a NaN validation loss; ``precision.backend=cuda`` failed only
+    after the data had loaded."""
+    from experiments import train as train_module
+    from experiments.configs import apply_overrides
+
+    def no_loading(d):
+        raise AssertionError("the data was loaded before the config was checked")
+
+    monkeypatch.setattr(train_module, "load_data", no_loading)
+    for override, error in (
+            ("data.batch_size=0", "data.batch_size=0 must be an integer >= 1"),
+            ("data.val_batches=0", "data.val_batches=0 must be an integer >= 1"),
+            ("data.seq_len=0", "data.seq_len=0 must be an integer >= 1"),
+            ("train.steps=-5", "train.steps=-5 must be an integer >= 1"),
+            ("train.log_every=0", "train.log_every=0 must be an integer >= 1"),
+            ("train.ckpt_every=-1", "train.ckpt_every=-1 must be an integer >= 0"),
+            ("model.num_heads=0", "model.num_heads=0 must be an integer >= 1"),
+            ("train.lr=-0.001", r"train.lr=-0.001 must be a number in \(0, inf\)"),
+            ("train.lr=nan", None),  # (a string: refused by the override's type)
+            ("train.bf16_last_fraction=1.5", r"bf16_last_fraction=1.5 must be .* \[0, 1\]"),
+            ("train.warmup=12", "train.warmup=12 must be below train.steps=12"),
+            ("precision.backend='cuda'", "precision.backend='cuda': use one of auto, xla"),
+            ("train.optimizer='sgd'", "train.optimizer='sgd'")):
+        if error is None:
+            with pytest.raises(ValueError, match="train.lr must be of type float"):
+                apply_overrides(tiny.copy_and_resolve_references(), [override])
+            continue
+        bad = apply_overrides(tiny.copy_and_resolve_references(), [override])
+        with pytest.raises(ValueError, match=error):
+            train(bad, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written for a refused config
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="file'? is a file"):
+        train(tiny, tmp_path / "file", progress=False)
+
+
+def test_user_mistakes_print_one_line_and_exit_2(tiny, corpus_dir, tmp_path, capsys):
+    """The entry points' bad inputs: one ``error:`` line (no traceback) and exit status 2,
+    as the fp4lab command line does; what is not a user's mistake keeps its traceback."""
+    from experiments import auto_assign, residual, rollout, ssm_state
+    from experiments import sweep as sweep_module
+    from experiments import train as train_module
+    from experiments.cli import command
+
+    (tmp_path / "a_file").write_text("x")
+    data = f"data.paths=('{corpus_dir}',)"
+    run = ["--config", "tiny", "--workdir", str(tmp_path / "run"), data]
+    cases = [
+        (train_module, run + ["data.batch_size=0"], "data.batch_size=0 must be"),
+        (train_module, run + ["data.val_batches=0"], "data.val_batches=0 must be"),
+        (train_module, run + ["precision.policy=nvfp5"], "unknown policy 'nvfp5'"),
+        (train_module, run + ["precision.policy=file:/no/such.json"], "/no/such.json"),
+        (train_module, run + ["precision.backend=cuda"], "precision.backend='cuda'"),
+        (train_module, run + ["train.stepz=3"], "the config has no 'train.stepz'"),
+        (train_module, run + ["train.steps=many"], "train.steps must be of type int"),
+        (train_module, run + ["train.steps"], "must look like key=value"),
+        (train_module, run + ["model.pattern=M?-"], "unknown block kind"),
+        (train_module, run + ["data.seq_len=100000"], "data.seq_len=100000 does not fit"),
+        (train_module, run[:4] + ["data.paths=('/no/such/corpus',)"], "/no/such/corpus"),
+        (train_module, run[:4] + ["data.tokens='/no/such.bin'"], "/no/such.bin"),
+        (train_module, ["--config", "nope", "--workdir", str(tmp_path)], "config 'nope' not"),
+        (train_module, ["--config", "tiny", "--workdir", str(tmp_path / "a_file")],
+         "is a file"),
+        (sweep_module, ["--config", "sweep_tiny", "--out", str(tmp_path / "s"), data,
+                        "sweep.policies=('bf16','nvfp5')"], "unknown policy 'nvfp5'"),
+        (sweep_module, ["--config", "sweep_tiny", "--out", str(tmp_path / "s"), data,
+                        "sweep.seeds=0"], "sweep.seeds=0"),
+        (sweep_module, ["--config", "sweep_tiny", "--out", str(tmp_path / "a_file")],
+         "is a file, not a folder"),
+        (sweep_module, ["--report", "--out", str(tmp_path / "missing")],
+         "--report: no folder"),
+        (auto_assign, ["--config", "tiny", "--ladder", "nvfp5,bf16"], "nvfp5"),
+        (rollout, ["--run", str(tmp_path / "missing")], "holds no run"),
+        (rollout, ["--run", str(tmp_path), "--precisions", "fp7"], "precision 'fp7'"),
+        (residual, ["--run", str(tmp_path / "missing")], "holds no run"),
+        (ssm_state, ["--run", str(tmp_path / "missing")], "holds no run")]
+    for module, argv, message in cases:
+        assert module.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert message in err, (argv, err)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
+
+    @command
+    def buggy(argv=None):
+        raise TypeError("a bug")
+
+    with pytest.raises(TypeError, match="a bug"):
+        buggy([])
+
+
+@pytest.mark.slow
+def test_a_run_under_an_edited_policy_file_is_refused_on_resume_and_by_its_analyses(
+        tiny, text, tmp_path):
+    """A run interrupted and resumed after its ``file:`` policy was edited continued under
+    the new file without a word; its config.json now holds the policy's rules and hash."""
+    from experiments.rollout import load_run
+    from fp4lab.policy import all_layers, save_policy
+
+    policy = tmp_path / "policy.json"
+    save_policy(all_layers("mxfp8"), policy)
+    tiny.precision.policy = f"file:{policy}"
+    tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 4, 2, 0
+    r = train(tiny, tmp_path / "run", data=text, progress=False)
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["precision"]["policy_rules"]["default"] == "mxfp8"
+    assert r["policy_sha256"] == stored["precision"]["policy_sha256"] == \
+        policies.fingerprint(all_layers("mxfp8"))
+    assert r["data"] == text.record() and set(r["layers"].values()) == {"mxfp8"}
+    save_policy(all_layers("nvfp4"), policy)  # edited
+    changed = f"trained under policy file '{policy}' as it read then, and it has changed since"
+    with pytest.raises(ValueError, match=changed + ".*--allow-changes precision.policy_sha256"):
+        train(tiny, tmp_path / "run", data=text, progress=False)
+    with pytest.raises(ValueError, match=changed + r".*its config.json \(precision.policy_"):
+        load_run(tmp_path / "run")  # rollout, residual, ssm_state and export read runs so
+    save_policy(all_layers("mxfp8"), policy)  # as it was: the run is its own again
+    assert load_run(tmp_path / "run")[0].precision.policy_sha256 == r["policy_sha256"]
