@@ -22,7 +22,8 @@ from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
-__all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QLinear", "QLinearGeneral", "QEinsum",
+__all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
+           "QLinearGeneral", "QEinsum",
            "HOOKS", "KINDS", "AmaxHistory", "update_amax_history", "find_op_calls",
            "intercept_ops", "release_ops", "layer_stack", "stacked", "OPS_ATTR"]
 
@@ -39,22 +40,40 @@ def update_amax_history(model: nnx.Module, grads) -> None:
     nnx.update(model, update(history, nnx.state(grads, AmaxHistory)))
 
 
+class QuantKey(nnx.Variable):
+    """The base key of a GEMM's stochastic-rounding stream, as raw key data (``uint32``, as
+    checkpoints store it). Not RNG state: hosts that drop RNG state keep it."""
+
+
+class QuantCounter(nnx.Variable):
+    """How many keys a GEMM's stochastic-rounding stream has drawn. Not RNG state, so a host
+    that writes back only non-RNG state (MaxText's layer scan keeps
+    ``nnx.Not(nnx.RngState)``) still advances it from step to step."""
+
+
 class _QuantizedGemm(nnx.Module):
-    """What every quantized NNX GEMM carries: a recipe, a backend, its own SR stream (from
-    ``rngs.quant`` if given, else ``seed``) and, for delayed scaling, an
-    :class:`AmaxHistory` (``amax_history``)."""
+    """What every quantized NNX GEMM carries: a recipe, a backend, its own SR stream (a base
+    key from ``rngs.quant`` if given, else ``seed``, and a counter folded into it at every
+    call) and, for delayed scaling, an :class:`AmaxHistory` (``amax_history``)."""
 
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
                  backend: str = "auto"):
         self.recipe = get_recipe(recipe)
         self.backend = backend
-        self.rngs = nnx.Rngs(quant=rngs.quant() if rngs is not None and "quant" in rngs
-                             else seed)
+        key = rngs.quant() if rngs is not None and "quant" in rngs else jax.random.key(seed)
+        self.sr_key = QuantKey(jax.random.key_data(key))
+        self.sr_count = QuantCounter(jnp.zeros((), jnp.uint32))
         if self.recipe.delayed is not None:
             self.amax_history = AmaxHistory(init_history(self.recipe.delayed))
 
     def _key(self):
-        return self.rngs.quant() if self.recipe.needs_key else None
+        """This call's SR key: the base key folded with the counter, which then advances (a
+        rematerialized forward reads the counter it was given, so it draws the same key)."""
+        if not self.recipe.needs_key:
+            return None
+        n = self.sr_count[...]
+        self.sr_count[...] = n + 1
+        return jax.random.fold_in(jax.random.wrap_key_data(self.sr_key[...]), n)
 
     def _history(self):
         return self.amax_history[...] if self.recipe.delayed is not None else None
@@ -279,36 +298,63 @@ _PATH_ATTR = "_fp4lab_path"
 
 
 def _stacked_by(module: nnx.Module, seen: nnx.Module) -> tuple[int, ...]:
-    """The leading axes ``module``'s variables have that the copy ``seen`` inside a call
-    lacks (``nnx.scan`` over ``nnx.vmap``-stacked blocks); ``()`` when it is not stacked."""
-    for full, part in zip(jax.tree.leaves(nnx.state(module)), jax.tree.leaves(nnx.state(seen))):
-        if full.ndim > part.ndim:
-            return tuple(full.shape[:full.ndim - part.ndim])
+    """The axes by which ``module``'s variables are stacked that the copy ``seen`` inside a
+    call lacks (``nnx.scan`` over stacked blocks); ``()`` when it is not stacked. The stack
+    axis is each variable's ``param_scan_axis`` metadata (as MaxText records it), else the
+    leading axes (``nnx.vmap``'s default)."""
+    full = nnx.to_flat_state(nnx.state(module))
+    part = dict(nnx.to_flat_state(nnx.state(seen)))
+    for path, var in full:
+        if path in part and var[...].ndim > part[path][...].ndim:
+            return _stack_of(var, part[path][...].shape, "/".join(map(str, path)))
     return ()
 
 
-def layer_stack(layer: nnx.Module) -> tuple[int, ...]:
-    """The leading axes by which a governed layer's kernel is stacked (blocks built with
-    ``nnx.vmap`` for ``nnx.scan``); ``()`` for a plain layer."""
-    if isinstance(layer, nnx.LinearGeneral):
-        n = len(layer.in_features) + len(layer.out_features)
-    elif isinstance(layer, nnx.Einsum):
-        n = len(layer.kernel_shape)
+def _stack_of(var: nnx.Variable, own: tuple[int, ...], name: str) -> tuple[int, ...]:
+    """The stack axes of ``var``, whose unstacked shape is ``own``: one axis at the
+    variable's ``param_scan_axis`` metadata, else the leading axes. Refused when the rest is
+    not ``own`` (the stack axis is not where the metadata, or its absence, says)."""
+    shape = tuple(var[...].shape)
+    own = tuple(own)
+    axis = var.get_metadata().get("param_scan_axis")
+    if axis is not None and len(shape) == len(own) + 1:
+        stack, rest = (shape[axis],), shape[:axis] + shape[axis + 1:]
     else:
-        n = 2
-    shape = layer.kernel.shape
-    return tuple(shape[:len(shape) - n])
+        stack, rest = shape[:len(shape) - len(own)], shape[len(shape) - len(own):]
+    if rest != own:
+        where = "leading axes" if axis is None else f"param_scan_axis={axis}"
+        raise ValueError(f"{name}: shape {shape} is not a stack of {own} along its {where}; "
+                         "record the scan axis of stacked variables in their metadata "
+                         "(param_scan_axis=<axis>, as MaxText does)")
+    return stack
+
+
+def layer_stack(layer: nnx.Module) -> tuple[int, ...]:
+    """The axes by which a governed layer's kernel is stacked (blocks built with
+    ``nnx.vmap`` or MaxText's scanned layers, for a scan over them): the kernel's
+    ``param_scan_axis`` metadata, else the leading axes beyond the layer's own kernel
+    shape; ``()`` for a plain layer."""
+    if isinstance(layer, nnx.LinearGeneral):
+        own = tuple(layer.in_features) + tuple(layer.out_features)
+    elif isinstance(layer, nnx.Einsum):
+        own = tuple(layer.kernel_shape)
+    else:
+        own = (layer.in_features, layer.out_features)
+    return _stack_of(layer.kernel, own, type(layer).__name__ + ".kernel")
 
 
 def stacked(op: nnx.Module, shape: tuple[int, ...]) -> nnx.Module:
-    """``op`` with its state stacked along ``shape``, in place, as ``nnx.vmap`` stacks a
-    block's: each slice gets its own SR key (split from the op's) and the same initial
-    amax history."""
+    """``op`` with its state stacked along ``shape``, in place, leading (as MaxText stacks
+    state other than parameters): each slice gets its own SR base key (split from the
+    op's) and the same counter and initial amax history."""
     if shape:
-        def grow(v):
-            if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
-                return jax.random.split(v, shape)
-            return jnp.broadcast_to(v, shape + v.shape)
+        def grow(path, var):
+            v = var[...]
+            if isinstance(var, QuantKey):
+                keys = jax.random.split(jax.random.wrap_key_data(v), shape)
+                return path, var.replace(jax.random.key_data(keys))
+            return path, var.replace(jnp.broadcast_to(v, shape + v.shape))
 
-        nnx.update(op, jax.tree.map(grow, nnx.state(op)))
+        flat = nnx.to_flat_state(nnx.state(op))
+        nnx.update(op, nnx.from_flat_state([grow(p, v) for p, v in flat]))
     return op

@@ -329,10 +329,9 @@ def test_nnx_scanned_blocks_get_stacked_hooks_and_ops():
                                          pattern=r"blocks/einsum_\d"),),
                              default="nvfp4", name="scanned")
     quantize_model(m, policy, x)
-    keys = m.blocks.qkv.dot_general.rngs.quant.key[...]  # one SR stream per stacked block
-    assert keys.shape == (3,) and len({tuple(np.asarray(jax.random.key_data(k)))
-                                       for k in keys}) == 3
-    assert m.blocks.fp4lab_ops["einsum_0"].rngs.quant.key[...].shape == (3,)
+    keys = m.blocks.qkv.dot_general.sr_key[...]  # one SR stream per stacked block
+    assert keys.shape == (3, 2) and len({tuple(np.asarray(k)) for k in keys}) == 3
+    assert m.blocks.fp4lab_ops["einsum_0"].sr_key[...].shape == (3, 2)
     b = m.blocks
 
     def by_hand(x):

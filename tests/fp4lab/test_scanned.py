@@ -1,0 +1,124 @@
+"""Scanned blocks (parameters stacked on a scan axis, run by a scan) as MaxText and Flax users
+write them: fp4lab's per-layer state follows the stack whatever its axis, and its
+stochastic-rounding streams advance from step to step whatever the host does with RNG
+state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp4lab.flax import quantize_model
+from fp4lab.qdot import qdot_general
+
+L, D = 3, 32
+DIMS = (((1,), (0,)), ((), ()))
+
+
+class Block(nnx.Module):  # written without fp4lab
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.relu(self.up(x)))
+
+
+def stacked_blocks(rngs, axis: int):
+    """L blocks with their parameters stacked on ``axis`` (recorded as ``param_scan_axis``
+    metadata, as MaxText's ``create_scanned_layers`` does) and other state on axis 0."""
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(rngs)
+
+    graph, params, rest = nnx.split(make(rngs), nnx.Param, ...)
+    params = jax.tree.map(lambda v: v.replace(jnp.moveaxis(v[...], 0, axis),
+                                              param_scan_axis=axis),
+                          params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(graph, params, rest)
+
+
+class HostScanned(nnx.Module):
+    """A decoder whose layer scan is MaxText's: parameters moved from their scan axis to
+    the front and fed in, and back out only the state that is not RNG state
+    (``nnx.filter_state(..., nnx.Not(nnx.RngState))``); ``remat`` rematerializes each
+    layer in the backward pass."""
+
+    def __init__(self, rngs, axis=1, remat=False):
+        self.blocks = stacked_blocks(rngs, axis)
+        self.axis, self.remat = axis, remat
+
+    def __call__(self, x):
+        graph, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+        params = jax.tree.map(lambda v: jnp.moveaxis(v, self.axis, 0), params)
+
+        def body(x, layer_state):
+            layer = nnx.merge(graph, *layer_state)
+            y = layer(x)
+            return y, nnx.state(layer, nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState)))
+
+        x, rest = jax.lax.scan(jax.checkpoint(body) if self.remat else body, x, (params, rest))
+        nnx.update(self.blocks, rest)
+        return x
+
+
+def kernels(blocks, axis):
+    """Each block's (up, down) kernels and biases, as stacked on ``axis``."""
+    return [tuple((jnp.take(l.kernel[...], i, axis=axis), jnp.take(l.bias[...], i, axis=axis))
+                  for l in (blocks.up, blocks.down)) for i in range(L)]
+
+
+def by_hand(blocks, x, axis, recipe):
+    for (wu, bu), (wd, bd) in kernels(blocks, axis):
+        h = jax.nn.relu(qdot_general(x, wu, DIMS, recipe) + bu)
+        x = x + qdot_general(h, wd, DIMS, recipe) + bd
+    return x
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_state_follows_the_scan_axis_in_the_metadata(axis):
+    """A user's report: MaxText stacks parameters on param_scan_axis=1; fp4lab read the stack
+    size off a kernel's leading axis (64) and the step failed with "scan got values with
+    different leading axis sizes"."""
+    x = jax.random.normal(jax.random.key(0), (4, D))
+    m = quantize_model(HostScanned(nnx.Rngs(0), axis), "all:nvfp4")
+    assert m.blocks.up.kernel[...].shape[axis] == L
+    assert m.blocks.up.dot_general.sr_key[...].shape == (L, 2)
+    assert m.blocks.up.dot_general.sr_count[...].shape == (L,)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(m, x)),
+                                  np.asarray(by_hand(m.blocks, x, axis, "nvfp4_no_sr")))
+
+
+def test_a_stack_on_an_axis_its_metadata_does_not_name_is_refused():
+    m = stacked_blocks(nnx.Rngs(0), axis=0)
+    m.up.kernel = nnx.Param(jnp.moveaxis(m.up.kernel[...], 0, 1))  # stacked on 1, unsaid
+    with pytest.raises(ValueError, match=r"Linear.kernel: shape \(32, 3, 64\) is not a stack "
+                                         r"of \(32, 64\) along its leading axes.*param_scan_axis"):
+        quantize_model(m, "all:nvfp4")
+
+
+def grads(m, x, steps=2):
+    """The up-projection's kernel gradient at each of ``steps`` training steps on the same
+    batch and parameters (only the SR keys can differ)."""
+    step = nnx.jit(lambda m: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m).blocks.up.kernel[...])
+    return [np.asarray(step(m)) for _ in range(steps)]
+
+
+def test_sr_streams_advance_when_the_host_drops_rng_state():
+    """A user's report: MaxText's layer scan writes back no RNG state, so every scanned block
+    drew the same SR key at every step. The stream's counter is not RNG state: it advances;
+    each block has its own stream; a rematerialized forward draws the key its forward did."""
+    x = jax.random.normal(jax.random.key(0), (16, D))
+    first, second = grads(quantize_model(HostScanned(nnx.Rngs(0)), "all:nvfp4"), x)
+    assert not np.array_equal(first, second)  # the step's keys advanced
+    m = quantize_model(HostScanned(nnx.Rngs(0)), "all:nvfp4")
+    np.testing.assert_array_equal(grads(m, x, 1)[0], first)  # reproducible
+    assert np.asarray(m.blocks.up.dot_general.sr_count[...]).tolist() == [1] * L
+    remat = quantize_model(HostScanned(nnx.Rngs(0), remat=True), "all:nvfp4")
+    r0, r1 = grads(remat, x)
+    np.testing.assert_array_equal(r0, first)
+    np.testing.assert_array_equal(r1, second)
+    keys = np.asarray(m.blocks.down.dot_general.sr_key[...])
+    assert len({tuple(k) for k in keys}) == L  # one stream per block
