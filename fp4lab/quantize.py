@@ -43,7 +43,8 @@ from fp4lab import rounding as rnd
 from fp4lab.formats import Format, get_format
 from fp4lab.qarray import QArray
 
-__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key"]
+__all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key",
+           "straight_through"]
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -387,7 +388,8 @@ def _fake_quant_values(x, key, global_amax, how: _FakeQuant):
         return _cast(x, fmt, how.rounding, key).astype(x.dtype), None
     b = _quantize_blocks(x, fmt, how.g, how.rounding, key, global_amax)
     y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), how.g)
-    inside = _from_blocks(jnp.abs(b.v) <= fmt.element.max, how.g) if how.mask_saturated \
+    # clipped: |v| > max (a NaN is not clipped, and keeps its gradient)
+    inside = _from_blocks(~(jnp.abs(b.v) > fmt.element.max), how.g) if how.mask_saturated \
         else None
     return _rounded_output(y.astype(x.dtype)), inside
 
@@ -408,6 +410,35 @@ def _st_bwd(how, inside, dy):
 
 
 _straight_through.defvjp(_st_fwd, _st_bwd)
+
+
+def straight_through(x, y):
+    """``y`` (a rounding of ``x``: same shape and dtype) with the identity gradient to ``x``.
+
+    The usual form ``x + stop_gradient(y - x)`` computes its value, and gets it wrong where
+    ``y`` saturates or underflows: rounding onto E4M3 (``y = 448``), ``x = inf`` gives NaN
+    (``inf - inf``), ``|x| >= 16896`` in bfloat16 (1.07e9 in float32) gives 0, 384 or 512, and
+    ``y = -0`` comes out ``+0``. Here the forward value is ``y``, bit for bit."""
+    if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+        raise ValueError(f"straight_through needs y like x; got x {jnp.result_type(x)}"
+                         f"{list(jnp.shape(x))} and y {jnp.result_type(y)}{list(jnp.shape(y))}")
+    return _identity_gradient(x, y)
+
+
+@jax.custom_vjp
+def _identity_gradient(x, y):
+    return y
+
+
+def _identity_fwd(x, y):
+    return y, None
+
+
+def _identity_bwd(_, dy):
+    return dy, None
+
+
+_identity_gradient.defvjp(_identity_fwd, _identity_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("how",))

@@ -357,3 +357,24 @@ def test_a_constant_cotangent_is_quantized_at_run_time():
         assert folded[op] == runtime[op], (op, folded[op], runtime[op])
     for a, b in zip(jax.jit(by_sum)(x, w), jax.jit(by_vjp)(x, w, ones)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_qat_backward_is_straight_through_at_special_values():
+    """QAT's straight-through backward uses the forward's quantized operands, no arithmetic on
+    X - Q(X): infinities, NaN, float32's max and subnormals in X leave dX = dY Q(W)^T finite
+    and exact, and reach dW = Q(X)^T dY only where the product itself has them."""
+    x, w, g = data(dtype=jnp.float32)
+    big = np.finfo(np.float32).max
+    special = [np.inf, -np.inf, np.nan, big, -big, 1e30, 1e-40, -1e-40, 2.0 ** -133, -0.0]
+    x = x.at[0, :len(special)].set(jnp.asarray(special, jnp.float32))
+    r = get_recipe("fp4_qat")
+    xq, wq = oracle_operand(x, r.fprop_x, 1, None), oracle_operand(w, r.fprop_w, 0, None)
+    y, dx, dw = run(x, w, g, "fp4_qat", None)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(dot(xq, wq)))
+    assert np.isfinite(np.asarray(dx)).all()
+    assert_equal_up_to_sum_order(dx, dot(g, wq.T))
+    want = np.asarray(dot(xq.T, g))
+    finite = np.isfinite(want)
+    assert not finite[:3].any() and finite[len(special):].all()
+    np.testing.assert_array_equal(np.asarray(dw)[~finite], want[~finite])
+    assert_equal_up_to_sum_order(np.asarray(dw)[finite], want[finite])

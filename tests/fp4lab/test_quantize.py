@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import fp4lab
 from fp4lab import rounding
+from fp4lab.formats import E4M3
+from fp4lab.quantize import straight_through
 
 F32 = np.float32
 NAN, INF = F32(np.nan), F32(np.inf)
@@ -519,6 +521,39 @@ def test_vmap_jit_grad():
     g = jax.grad(lambda t: fp4lab.fake_quant(t, "fp8_e4m3", global_amax=F32(10.0),
                                              mask_saturated=True).sum())(big)
     assert float(g[0, 0, 0]) == 0.0 and float(g.sum()) == big.size - (np.abs(big) > 10).sum()
+
+
+# the inputs a straight-through form must survive: infinities, NaN, the largest float32,
+# saturating values, float32 and E4M3 subnormals, signed zeros
+SPECIAL = F32([np.inf, -np.inf, np.nan, np.finfo(F32).max, -np.finfo(F32).max, 1e30, 1e10,
+               464.0, -448.0, 1e-40, -1e-40, 2.0 ** -9, -(2.0 ** -10) * 3, -5e-4, -0.0, 0.3])
+
+
+def test_straight_through_gives_y_bit_for_bit_and_the_identity_gradient():
+    x = jnp.asarray(SPECIAL)
+    y = rounding.round_nearest(x, E4M3)
+    same_bits(straight_through(x, y), y)
+    assert np.signbit(np.asarray(y)[-2]) and np.isnan(np.asarray(y)[2])
+    g = jax.grad(lambda t: jnp.sum(straight_through(t, y) * 3.0))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0))
+    usual = np.asarray(x + jax.lax.stop_gradient(y - x))  # what the usual form computes
+    assert np.isnan(usual[0]) and usual[5] == 0.0 and not np.signbit(usual[-2])
+    with pytest.raises(ValueError, match=r"y like x; got x float32\[16\] and y bfloat16"):
+        straight_through(x, y.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_row", "fp8_block128", "mxfp8", "nvfp4"])
+def test_fake_quant_is_straight_through_at_special_values(fmt):
+    """Forward: dequantize(quantize(x)) bit for bit (docs/numerics.md says what each format
+    makes of inf and NaN); gradient: the identity, or zero exactly where the input was
+    clipped (a NaN is not clipped)."""
+    x = jnp.asarray(np.tile(SPECIAL, (4, 8)))  # (4, 128): every value in every block size
+    same_bits(fp4lab.fake_quant(x, fmt), fp4lab.dequantize(fp4lab.quantize(x, fmt)))
+    g = jax.grad(lambda t: jnp.sum(fp4lab.fake_quant(t, fmt) * 3.0))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0))
+    if fmt == "fp8_e4m3":  # an infinite amax gives scale 1: clipped where |x| > 448
+        g = jax.grad(lambda t: jnp.sum(fp4lab.fake_quant(t, fmt, mask_saturated=True)))(x)
+        np.testing.assert_array_equal(np.asarray(g), np.where(np.abs(x) > 448, 0.0, 1.0))
 
 
 # ------------------------------------------------------------------ properties

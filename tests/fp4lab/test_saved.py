@@ -174,3 +174,18 @@ def test_recompute_names_bad_arguments():
         fp4lab.recompute(_relu2, 8)
     with pytest.raises(TypeError, match="argument leaf 1 has dtype int32"):
         fp4lab.recompute(lambda h, n: h * n)(_hidden(), jnp.int32(2))
+
+
+def test_recompute_at_infinities_nan_max_and_subnormals():
+    """The forward is fn(x) bit for bit, whatever x holds; the backward differentiates at the
+    stored x, which follows the storage format's rules (docs/numerics.md: in fp8_block128 an
+    infinite amax gives scale 1, so inf is stored as 448 and float32's max as 448; NaN stays)."""
+    big = np.finfo(np.float32).max
+    vals = np.float32([np.inf, -np.inf, np.nan, big, -big, 1e-40, -1e-40, 2.0 ** -9, -0.0, 3.0])
+    x = jnp.asarray(np.tile(vals, 26)[:256].reshape(2, 128))
+    y, vjp = jax.vjp(fp4lab.recompute(jnp.square, "fp8_block128"), x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jnp.square(x)))
+    (dx,) = vjp(jnp.ones_like(x))
+    stored = np.asarray(fp4lab.dequantize(fp4lab.quantize(x, "fp8_block128")))
+    np.testing.assert_array_equal(np.asarray(dx), 2 * stored)
+    np.testing.assert_array_equal(np.asarray(dx)[0, :5], [896.0, -896.0, np.nan, 896.0, -896.0])
