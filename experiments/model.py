@@ -90,18 +90,19 @@ def residual_probes(model, params, tokens_BxL, **apply_kw) -> dict[str, dict[str
 
 def store_residual(x_BxLxD, fmt: str):
     """The residual stream as stored between blocks, with a straight-through gradient:
-    ``e4m3`` rounds onto the E4M3 grid (saturating at 448, no scale), ``e4m3_token`` scales
-    each token by its abs-max first (fp4lab's ``fp8_e4m3_row``)."""
+    ``e4m3`` rounds onto the E4M3 grid (saturating at 448, no scale; +-inf gives +-448, NaN
+    stays NaN), ``e4m3_token`` scales each token by its abs-max first (fp4lab's
+    ``fp8_e4m3_row``)."""
     from fp4lab import fake_quant
     from fp4lab.formats import E4M3
+    from fp4lab.quantize import straight_through
     from fp4lab.rounding import round_nearest
 
     if not fmt:
         return x_BxLxD
     if fmt == "e4m3_token":
         return fake_quant(x_BxLxD, "fp8_e4m3_row", axis=-1)
-    q = round_nearest(x_BxLxD, E4M3).astype(x_BxLxD.dtype)
-    return x_BxLxD + jax.lax.stop_gradient(q - x_BxLxD)
+    return straight_through(x_BxLxD, round_nearest(x_BxLxD, E4M3).astype(x_BxLxD.dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
