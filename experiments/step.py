@@ -51,25 +51,37 @@ def model_config(config, data=None) -> ModelConfig:
                                                         vocab=max(cfg.vocab, data.vocab_size))
 
 
-def _cross_entropy(logits_BxLxV, targets_BxL, weights_BxL):
+def _cross_entropy(logits_BxLxV, targets_BxL, weights_BxL, count=None):
+    """The token-weighted sum of the NLL divided by ``count`` (default: these weights' sum,
+    at least 1: the token mean)."""
     logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
     nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll_BxL * weights_BxL) / jnp.maximum(jnp.sum(weights_BxL), 1.0)
+    if count is None:
+        count = jnp.maximum(jnp.sum(weights_BxL), 1.0)
+    return jnp.sum(nll_BxL * weights_BxL) / count
+
+
+def _loss_weights(weights):
+    """The weights of the main loss's and the MTP loss's tokens."""
+    return weights, weights[:, 1:]
 
 
 def make_loss(qmodel, mtp_weight: float):
-    """``loss_fn(params, probes, history, tokens, weights, key) -> (loss, main loss)``."""
-    def loss_fn(params, probes, history, tokens, weights, key):
+    """``loss_fn(params, probes, history, tokens, weights, key, counts=None) -> (loss, main
+    loss)``; ``counts``: the main and MTP losses' denominators (default: their own token
+    counts, the token means)."""
+    def loss_fn(params, probes, history, tokens, weights, key, counts=(None, None)):
         variables = {"params": params}
         if probes is not None:
             variables["probes"] = probes
         if history is not None:
             variables["amax_history"] = history
         logits, mtp_logits = qmodel.apply(variables, tokens[:, :-1], rngs={"quant": key})
-        loss = main = _cross_entropy(logits, tokens[:, 1:], weights)
+        main_w, mtp_w = _loss_weights(weights)
+        loss = main = _cross_entropy(logits, tokens[:, 1:], main_w, counts[0])
         if mtp_logits is not None:
             loss = loss + mtp_weight * _cross_entropy(mtp_logits[:, :-1], tokens[:, 2:],
-                                                      weights[:, 1:])
+                                                      mtp_w, counts[1])
         return loss, main
 
     return loss_fn
@@ -108,10 +120,13 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
     ``value_and_grad`` (XLA inserts the all-reduce; no extra metrics). Otherwise every
     replica of ``mesh``'s ``data`` axis differentiates its rows of the batch (its
     stochastic-rounding key folded with its index), and the gradients are reduced explicitly
-    with ``reduce``'s modes and divided by the replica count; losses are averaged,
-    delayed-scaling amaxes maxed; ``reduce.survival`` adds ``mtp_grad_survival`` and
-    ``mtp_grad_error`` (two more backward passes of the head). ``with_local``: also the
-    replicas' own gradients, stacked (tests)."""
+    with ``reduce``'s modes and divided by the replica count ``N``. A replica's loss divides
+    its token-weighted sum by ``W / N``, ``W`` the global token count (of the main and of
+    the MTP loss, each), so that the reduced loss and gradients are the global token mean's
+    whatever the masks; with equal counts ``W / N`` is the replica's own count, exactly.
+    Losses are averaged, delayed-scaling amaxes maxed; ``reduce.survival`` adds
+    ``mtp_grad_survival`` and ``mtp_grad_error`` (two more backward passes of the head).
+    ``with_local``: also the replicas' own gradients, stacked (tests)."""
     loss_fn = make_loss(qmodel, mtp_weight)
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
     if reduce is None:
@@ -120,13 +135,13 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
 
     from fp4lab.reduction import all_reduce
 
-    def survival(params, history, tokens, weights, key):
+    def survival(params, history, tokens, weights, key, counts):
         """The head kernel's gradient parts from the main and the MTP loss, reduced."""
         from fp4lab.reduction import surviving_fraction
 
         def parts(head):
             p = {**params, "head": {**params["head"], "kernel": head}}
-            loss, main = loss_fn(p, None, history, tokens, weights, key)
+            loss, main = loss_fn(p, None, history, tokens, weights, key, counts)
             return main, loss - main
 
         (main, mtp), pull = jax.vjp(parts, params["head"]["kernel"])
@@ -140,12 +155,17 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
         i = jax.lax.axis_index("data")
         n = jax.lax.axis_size("data")
         key = jax.random.fold_in(key, i)
-        (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights, key)
+        # this replica's share of the global token counts: W / N (exact for W < 2**24)
+        counts = tuple(jnp.maximum(jax.lax.psum(jnp.sum(w), "data"), 1.0) / n
+                       for w in _loss_weights(weights))
+        (loss, main), (grads, _, seen) = grad_fn(params, None, history, tokens, weights, key,
+                                                 counts)
         reduced = jax.tree_util.tree_map_with_path(
             lambda path, g: all_reduce(g, "data", reduce.mode_of(
                 jax.tree_util.keystr(path, simple=True, separator="/"))) / n, grads)
         seen = None if seen is None else jax.tree.map(lambda a: jax.lax.pmax(a, "data"), seen)
-        extra = survival(params, history, tokens, weights, key) if reduce.survival else {}
+        extra = (survival(params, history, tokens, weights, key, counts) if reduce.survival
+                 else {})
         out = ((jax.lax.psum(loss, "data") / n, jax.lax.psum(main, "data") / n),
                (reduced, None, seen), extra)
         return out + ((jax.tree.map(lambda g: g[None], grads),) if with_local else ())

@@ -1,5 +1,6 @@
 """train.grad_reduce: the training step's gradients reduced explicitly over 8 replicas equal a
-NumPy reduction of the replicas' own gradients (per parameter mode), and a run trains."""
+NumPy reduction of the replicas' own gradients (per parameter mode), the global token mean's
+gradient when the replicas' masks differ, and a run trains."""
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,34 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
         np.testing.assert_array_equal(np.asarray(g), want, err_msg=name)
     assert not np.array_equal(np.asarray(local_flat[0][0]), np.asarray(local_flat[0][1]))
     assert np.isfinite(float(loss))
+
+
+def test_unequal_masks_reduce_to_the_global_token_mean_gradient(tiny, text):
+    """Replicas with different numbers of valid tokens (replica r keeps 4r + 1 of its 32,
+    the MTP loss one fewer): the explicitly reduced loss and gradients are the global token
+    mean's, as XLA's all-reduce of the global batch's gradient gives them (not the mean of
+    the replicas' own means, which weighs replica 0's single token as much as replica 7's
+    29)."""
+    devices = jax.devices()[:N]
+    mesh = Mesh(np.array(devices), ("data",))
+    tiny.model.mtp, tiny.model.dtype = True, "float32"  # FP32 GEMMs: only the order differs
+    model = HybridLM(model_config(tiny))
+    b = text.batch(0, 0, N, tiny.data.seq_len)
+    params = model.init(jax.random.key(0), jnp.asarray(b.tokens[:, :-1]))["params"]
+    weights = (np.arange(b.weights.shape[1])[None, :]
+               < 4 * np.arange(N)[:, None] + 1).astype(np.float32)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    args = (params, None, None, put(b.tokens), put(weights), jax.random.key(3))
+    (loss, main), (grads, _, _), _ = jax.jit(make_grad_fn(model, 0.3, GradReduce("fp32"),
+                                                          mesh))(*args)
+    (want_loss, want_main), (want, _, _), _ = jax.jit(make_grad_fn(model, 0.3, None))(*args)
+    np.testing.assert_allclose(float(main), float(want_main), rtol=2e-6)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                            jax.tree.leaves(want)):
+        scale = float(np.max(np.abs(np.asarray(w))))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
