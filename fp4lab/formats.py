@@ -242,6 +242,9 @@ FORMATS: dict[str, Format] = {
         _block("e5m6_block128", E5M6, scaling.AbsMaxScale(), 128,
                "DeepSeek-V3's E5M6 for the attention output, 1x128 with float32 abs-max scales "
                "(the paper gives the element format; the scaling here is fp8_block128's)"),
+        _block("e5m6_block128_pow2", E5M6, scaling.CeilPowerOfTwoScale(), 128,
+               "DeepSeek-V3's E5M6 attention output, 1x128 with power-of-two scales ('round "
+               "scaled, i.e. integral power of 2'): 2**ceil(log2(amax / max)), E8M0 bytes"),
         _block("int8_block128", INT8, scaling.AbsMaxScale(), 128,
                "symmetric INT8, one float32 scale per 128 (Nemotron 3 Ultra's SSM-state cache)"),
         Format(name="int4", element=INT4, scaling=scaling.AbsMaxScale(), granularity="channel",

@@ -103,7 +103,8 @@ class SavedX:
     """What a GEMM stores of its input X for the backward pass (the wgrad GEMM's X and the
     probes then use ``dequantize(quantize(X))``): ``format`` quantizes X in blocks along K
     (``fp8_block128``: Kimi K2's E4M3 1x128 tiles with float32 scales;
-    ``fp8_block128_pow2``: the same with power-of-two scales, DeepSeek-V3's; ``mxfp8``;
+    ``fp8_block128_pow2``: the same with power-of-two scales, DeepSeek-V3's;
+    ``e5m6_block128_pow2``: DeepSeek-V3's attention output; ``mxfp8``;
     ``bf16``: a cast), and ``offload`` keeps it in host memory (``jax.memory.Space.Host``)
     between the forward and the backward pass. Compute is unchanged."""
 
@@ -277,6 +278,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
              saved_x=SavedX("fp8_block128")),
     _uniform("bf16_saved_e5m6", "bf16", "DeepSeek-V3's attention output: BF16 compute, the "
              "input saved for the backward pass as E5M6 1x128", saved_x=SavedX("e5m6_block128")),
+    _uniform("bf16_saved_e5m6_pow2", "bf16", "DeepSeek-V3's attention output: BF16 compute, "
+             "the input saved for the backward pass as E5M6 1x128 with power-of-two scales",
+             saved_x=SavedX("e5m6_block128_pow2")),
 )}
 
 

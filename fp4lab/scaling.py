@@ -41,6 +41,7 @@ __all__ = [
     "AbsMaxScale",
     "NVFP4Scale",
     "PowerOfTwoScale",
+    "CeilPowerOfTwoScale",
     "GGMLQ4_0Scale",
     "GGMLQ8_0Scale",
 ]
@@ -156,36 +157,17 @@ class NVFP4Scale(ScaleScheme):
 
 
 @dataclasses.dataclass(frozen=True)
-class PowerOfTwoScale(ScaleScheme):
-    """MX (OCP Microscaling) E8M0 block scales, stored as the biased exponent byte.
+class _E8M0Scale(ScaleScheme):
+    """Power-of-two block scales ``2**e``, stored as the E8M0 byte ``e + 127``; subclasses
+    choose ``e`` (:meth:`exponent`, clamped to [-127, 127]). A block holding NaN or Inf gets
+    the NaN byte 0xFF and zero codes; it dequantizes to NaN."""
 
-    ``rceil`` (default; TE MXFP8, torchao RCEIL): ``e = ceil(log2(fl(amax * fl(1/max))))``
-    from the float32 bits; ``floor`` (OCP, torchao FLOOR): ``e = floor(log2(amax)) - emax``.
-    Both clamped to [-127, 127]; amax = 0 gives e = -127. A block holding NaN or Inf gets the
-    NaN byte 0xFF and zero codes; it dequantizes to NaN.
-    """
-
-    mode: Literal["rceil", "floor"] = "rceil"
     scale_dtype = "uint8"
     scale_name = "e8m0"
     scale_bits = 8
 
-    def __post_init__(self):
-        if self.mode not in ("rceil", "floor"):
-            raise ValueError(f"unknown MX scale mode {self.mode!r}; use 'rceil' or 'floor'")
-
     def exponent(self, stat, element):
-        if self.mode == "rceil":
-            d = stat * _f32_div(1, element.max)
-            bits = rounding.float_bits(d)
-            e_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
-            mant = bits & 0x7FFFFF
-            normal = e_field - 127 + (mant != 0).astype(jnp.int32)
-            sub = jnp.where(bits <= 0x00400000, -127, -126)  # d <= 2**-127 rounds to -127
-            e = jnp.where(e_field > 0, normal, sub)
-        else:
-            e = rounding.exponent(stat) - element.emax
-        return jnp.clip(e, -127, 127)
+        raise NotImplementedError
 
     def encode(self, stat, tensor_amax, element):
         finite = jnp.isfinite(stat)
@@ -205,6 +187,56 @@ class PowerOfTwoScale(ScaleScheme):
 
     def bad_scale(self, scale):
         return scale == 0  # 2**-127: the exponent clamped at the bottom of E8M0's range
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerOfTwoScale(_E8M0Scale):
+    """MX (OCP Microscaling) E8M0 block scales, stored as the biased exponent byte.
+
+    ``rceil`` (default; TE MXFP8, torchao RCEIL): ``e = ceil(log2(fl(amax * fl(1/max))))``
+    from the float32 bits; ``floor`` (OCP, torchao FLOOR): ``e = floor(log2(amax)) - emax``.
+    Both clamped to [-127, 127]; amax = 0 gives e = -127. A block holding NaN or Inf gets the
+    NaN byte 0xFF and zero codes; it dequantizes to NaN.
+    """
+
+    mode: Literal["rceil", "floor"] = "rceil"
+
+    def __post_init__(self):
+        if self.mode not in ("rceil", "floor"):
+            raise ValueError(f"unknown MX scale mode {self.mode!r}; use 'rceil' or 'floor'")
+
+    def exponent(self, stat, element):
+        if self.mode == "rceil":
+            d = stat * _f32_div(1, element.max)
+            bits = rounding.float_bits(d)
+            e_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+            mant = bits & 0x7FFFFF
+            normal = e_field - 127 + (mant != 0).astype(jnp.int32)
+            sub = jnp.where(bits <= 0x00400000, -127, -126)  # d <= 2**-127 rounds to -127
+            e = jnp.where(e_field > 0, normal, sub)
+        else:
+            e = rounding.exponent(stat) - element.emax
+        return jnp.clip(e, -127, 127)
+
+
+@dataclasses.dataclass(frozen=True)
+class CeilPowerOfTwoScale(_E8M0Scale):
+    """Power-of-two block scales that never saturate (DeepSeek-V3's "round scaled" scales):
+    ``e = ceil(log2(amax / max))`` exactly, the least integer with ``amax <= max * 2**e``,
+    clamped to [-127, 127], stored as MX's E8M0 byte.
+
+    Exact in float32 without a division or a logarithm: for normal ``amax = 1.f * 2**E`` and
+    ``max = 1.g * 2**emax``, ``e = E - emax + (f > g)``, comparing the two mantissa fields.
+    amax = 0 or subnormal (whose exact exponent lies below -127 for every element format) gives
+    e = -127; a NaN or Inf in the block gives the NaN byte, zero codes and NaN values, as MX."""
+
+    def exponent(self, stat, element):
+        bits = rounding.float_bits(stat)
+        e_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+        max_mant = int(np.float32(element.max).view(np.uint32)) & 0x7FFFFF
+        above = ((bits & 0x7FFFFF) > max_mant).astype(jnp.int32)
+        e = jnp.where(e_field > 0, e_field - 127 - element.emax + above, -127)
+        return jnp.clip(e, -127, 127)
 
 
 def _q4_0_thresholds() -> np.ndarray:
