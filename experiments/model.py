@@ -24,9 +24,11 @@ scan, norms, softmax and loss run in FP32.
 
 Precision decisions beyond the GEMMs, all off by default (docs/beyond_the_gemms.md):
 ``attention="flash"`` (``fp4lab.attention`` with ``attention_accumulate`` and
-``attention_saved``), ``ssm_state_format`` / ``ssm_state_rounding`` (the Mamba-2 recurrence
-one step at a time with its state stored in a format), ``residual_format`` /
-``residual_gate`` (the residual stream stored in FP8 between blocks; gated writes),
+``attention_saved``: a dtype, or a block format in which the out projection stores its
+input, DeepSeek-V3's one E5M6 copy), ``ssm_state_format`` / ``ssm_state_rounding`` (the
+Mamba-2 recurrence one step at a time with its state stored in a format),
+``residual_format`` / ``residual_gate`` (the residual stream stored in FP8 between blocks;
+gated writes),
 ``mlp_saved`` (the squared ReLU recomputed in the backward pass from its input stored in a
 format) and ``mtp_tied_head`` (the MTP logits through the main head's kernel).
 
@@ -126,7 +128,10 @@ class ModelConfig:
     # attention_accumulate, the output saved for the backward pass in attention_saved)
     attention: str = "einsum"
     attention_accumulate: str = "fp32"  # fp32 | bf16_p | bf16 (flash only)
-    attention_saved: str = "float32"  # the saved output's dtype (flash only)
+    # the output as the backward pass sees it (flash only): a dtype it is saved in, or a
+    # block format (e5m6_block128_pow2: DeepSeek-V3), the out projection's input as that
+    # GEMM stores it (its recipe's saved_x; fp4lab.attention), with no copy of its own
+    attention_saved: str = "float32"
     # the Mamba-2 state: "" (the parallel scan, FP32), or a recurrent scan storing the state
     # after every step in ssm_state_format (fp32, bf16, fp16, int8_block128, fp8_block128)
     # with ssm_state_rounding (nearest, or stochastic: the "ssm_state" rng, per step and layer)
@@ -153,7 +158,13 @@ class ModelConfig:
             raise ValueError(f"ssm_expand * d_model = {self.ssm_expand * self.d_model} is not "
                              f"divisible by ssm_head_dim={self.ssm_head_dim}")
         jnp.dtype(self.dtype)  # raises for an unknown dtype name
-        jnp.dtype(self.attention_saved)
+        if _attention_saved(self.attention_saved) is None:
+            try:
+                jnp.dtype(self.attention_saved)
+            except TypeError:
+                raise ValueError(f"attention_saved={self.attention_saved!r}: a dtype "
+                                 "(float32, bfloat16) or a block format "
+                                 "(e5m6_block128_pow2)") from None
         if self.mlp_saved:
             from fp4lab.formats import get_format
 
@@ -276,6 +287,14 @@ class Mamba2(nn.Module):
         return _dense(d, "out_proj", dtype)(y_BxLxE)
 
 
+def _attention_saved(name: str):
+    """``model.attention_saved`` as a block format (None for a dtype name)."""
+    from fp4lab.formats import FORMATS
+
+    fmt = FORMATS.get(name)
+    return None if fmt is None or fmt.is_passthrough else fmt
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -292,8 +311,13 @@ class Attention(nn.Module):
             from fp4lab.attention import flash_attention
 
             heads = [x.transpose(0, 2, 1, 3) for x in (q_BxLxHxK, k_BxTxHxK, v_BxTxHxK)]
+            saved = _attention_saved(cfg.attention_saved)
+            # a block format: the backward's O is the out projection's stored input (same
+            # dtype, same blocks); a dtype: O saved in it
+            kw = (dict(saved_format=saved, out_dtype=dtype) if saved is not None
+                  else dict(saved_dtype=cfg.attention_saved))
             o_BxHxLxK = flash_attention(*heads, causal=True, accumulate=cfg.attention_accumulate,
-                                        saved_dtype=cfg.attention_saved)
+                                        **kw)
             o_BxLxD = o_BxHxLxK.transpose(0, 2, 1, 3).reshape(batch, length, d).astype(dtype)
             return _dense(d, "out", dtype)(o_BxLxD)
         scores_BxHxLxT = (jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxK, k_BxTxHxK)

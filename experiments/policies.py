@@ -3,8 +3,9 @@
 ``get(name)`` accepts:
 
 * ``bf16_mlp_saved_fp8``: BF16, the MLP layers' inputs saved for backward as E4M3 1x128
-  (Kimi K2's activation storage); ``bf16_attn_out_saved_fp8`` / ``_e5m6``: the attention
-  output (the input of attention/out) saved as E4M3 or E5M6 (DeepSeek-V3);
+  (Kimi K2's activation storage); ``bf16_attn_out_saved_fp8`` / ``_e5m6`` / ``_e5m6_pow2``:
+  the attention output (the input of attention/out) saved as E4M3, E5M6 or E5M6 with
+  power-of-two scales (DeepSeek-V3);
 * the sweep's names: ``bf16``, ``nvfp4``, ``nemotron3``, ``nemotron3_no_mxfp8`` (Mamba
   out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
   ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
@@ -47,6 +48,12 @@ NAMED = {
     "bf16_attn_out_saved_e5m6": lambda: PrecisionPolicy(
         rules=(Rule(name="attention output saved in E5M6", recipe="bf16_saved_e5m6",
                     pattern=r"(?:.*/)?attention/out"),), default="bf16"),
+    # ... with power-of-two scales, DeepSeek-V3's (model.attention_saved names the same
+    # format to make the attention's backward use this one stored copy)
+    "bf16_attn_out_saved_e5m6_pow2": lambda: PrecisionPolicy(
+        rules=(Rule(name="attention output saved in E5M6 (power-of-two scales)",
+                    recipe="bf16_saved_e5m6_pow2", pattern=r"(?:.*/)?attention/out"),),
+        default="bf16"),
     "nemotron3": lambda: nemotron3(),
     "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
     "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),

@@ -24,6 +24,15 @@ from the saved ``q``, ``k``, ``v`` and row log-sum-exp, and uses ``D = rowsum(dO
 
 all in FP32. Shapes ``q [..., L, D]``, ``k``/``v`` ``[..., T, D]`` (``[..., T, Dv]`` for
 ``v``), any leading batch and head axes; ``causal`` masks key ``t > query l + (T - L)``.
+
+``saved_format`` (DeepSeek-V3's E5M6 attention output, ``e5m6_block128_pow2``): the backward
+takes ``O_saved = DQ(Q(O))``, ``O`` as the output projection stores its input (its recipe's
+``saved_x``): cast to ``out_dtype``, the head axis (-3) merged into the features
+(``[..., L, H * Dv]``; ``[L, Dv]`` without a head axis), quantized along that axis. The
+attention keeps no copy of ``O``: its backward recomputes ``O`` from ``q``, ``k``, ``v`` (the
+forward's operations again: one more P.V per key block) and quantizes it as the GEMM did, so
+the GEMM's stored copy is the only one kept. (Two ``custom_vjp`` residuals cannot be shared, and a
+Flax layer's GEMM cannot be fused into this one.)
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["flash_attention", "ACCUMULATE"]
+from fp4lab.formats import Format, get_format
+from fp4lab.quantize import dequantize, quantize
+
+__all__ = ["flash_attention", "stored_output", "ACCUMULATE"]
 
 ACCUMULATE = ("fp32", "bf16_p", "bf16")
 
@@ -81,19 +93,33 @@ def _forward(q, k, v, scale, causal, block_k, accumulate):
     return out, lse
 
 
+def stored_output(o, fmt: Format, dtype):
+    """``DQ(Q(o))`` in float32 as the output projection stores its input: ``o`` cast to
+    ``dtype``, heads (axis -3) merged into the features, quantized along them in ``fmt``."""
+    heads = o.ndim >= 3
+    rows = jnp.moveaxis(o, -3, -2) if heads else o[..., None, :]  # [..., L, H, Dv]
+    flat = rows.reshape(rows.shape[:-2] + (-1,)).astype(dtype).astype(jnp.float32)
+    back = dequantize(quantize(flat, fmt, axis=-1), jnp.float32).reshape(rows.shape)
+    return jnp.moveaxis(back, -2, -3) if heads else back[..., 0, :]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _attention(q, k, v, scale, causal, block_k, accumulate, out_dtype, saved_dtype):
+def _attention(q, k, v, scale, causal, block_k, accumulate, out_dtype, saved):
     out, _ = _forward(q, k, v, scale, causal, block_k, accumulate)
     return out.astype(out_dtype)
 
 
-def _attention_fwd(q, k, v, scale, causal, block_k, accumulate, out_dtype, saved_dtype):
+def _attention_fwd(q, k, v, scale, causal, block_k, accumulate, out_dtype, saved):
     out, lse = _forward(q, k, v, scale, causal, block_k, accumulate)
-    return out.astype(out_dtype), (q, k, v, out.astype(saved_dtype), lse)
+    o_saved = None if isinstance(saved, Format) else out.astype(saved)
+    return out.astype(out_dtype), (q, k, v, o_saved, lse)
 
 
-def _attention_bwd(scale, causal, block_k, accumulate, out_dtype, saved_dtype, res, d_out):
+def _attention_bwd(scale, causal, block_k, accumulate, out_dtype, saved, res, d_out):
     q, k, v, o_saved, lse = res
+    if isinstance(saved, Format):  # O recomputed, stored as the next GEMM stores it
+        o_saved = stored_output(_forward(q, k, v, scale, causal, block_k, accumulate)[0],
+                                saved, out_dtype)
     length, total = q.shape[-2], k.shape[-2]
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * o_saved.astype(jnp.float32), axis=-1)  # D = rowsum(dO * O)
@@ -115,11 +141,26 @@ def _attention_bwd(scale, causal, block_k, accumulate, out_dtype, saved_dtype, r
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _saved(saved_dtype, saved_format, out_dtype):
+    """What the backward pass keeps of the output: a dtype, or a block Format."""
+    if saved_format is None:
+        return out_dtype if saved_dtype is None else jnp.dtype(saved_dtype)
+    if saved_dtype is not None:
+        raise ValueError(f"saved_dtype={saved_dtype!r} and saved_format={saved_format!r}: "
+                         "give one")
+    fmt = get_format(saved_format)
+    if fmt.is_passthrough:
+        raise ValueError(f"saved_format={saved_format!r} is a cast: use saved_dtype for it")
+    return fmt
+
+
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     block_k: int = 64, accumulate: str = "fp32", out_dtype=jnp.float32,
-                    saved_dtype=None):
+                    saved_dtype=None, saved_format=None):
     """``softmax(q k^T * scale) v`` computed as a flash kernel does (module docstring);
-    ``scale`` defaults to ``1 / sqrt(D)``, ``saved_dtype`` to ``out_dtype``."""
+    ``scale`` defaults to ``1 / sqrt(D)``, ``saved_dtype`` to ``out_dtype``;
+    ``saved_format``: the backward uses the output as the next GEMM stores it in that
+    block format (module docstring)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate={accumulate!r}: use one of {', '.join(ACCUMULATE)}")
     if q.ndim < 2 or k.shape[:-2] != q.shape[:-2] or v.shape[:-1] != k.shape[:-1] or \
@@ -132,6 +173,6 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         raise ValueError(f"causal attention needs L={q.shape[-2]} <= T={k.shape[-2]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out_dtype = jnp.dtype(out_dtype)
-    saved_dtype = out_dtype if saved_dtype is None else jnp.dtype(saved_dtype)
+    saved = _saved(saved_dtype, saved_format, out_dtype)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
-    return _attention(*f32, scale, causal, block_k, accumulate, out_dtype, saved_dtype)
+    return _attention(*f32, scale, causal, block_k, accumulate, out_dtype, saved)

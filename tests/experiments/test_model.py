@@ -217,3 +217,29 @@ def test_the_stored_residual_is_the_rounded_value_at_every_input(dtype):
     token = np.asarray(store_residual(x.reshape(1, 1, -1), "e4m3_token"), np.float32)
     assert np.isnan(token).sum() == 1 and np.isnan(token[0, 0, 2])  # NaN stays, alone
 
+
+def test_deepseek_setting_keeps_one_e5m6_copy_of_the_attention_output():
+    """model.attention_saved=e5m6_block128_pow2 with the policy storing attention/out's input
+    in that format: the vjp keeps one E5M6 copy (the GEMM's) and no O of the attention's own;
+    the forward is unchanged."""
+    from experiments.policies import get
+    from fp4lab.flax import quantize_model
+
+    cfg = dataclasses.replace(CFG, mtp=False, attention="flash")
+    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
+    params = HybridLM(cfg).init(jax.random.key(1), tokens)["params"]
+    o_shape = (2, cfg.num_heads, 24, cfg.d_model // cfg.num_heads)  # also q, k and v's
+    out = {}
+    for saved in ("float32", "e5m6_block128_pow2"):
+        qm = quantize_model(HybridLM(dataclasses.replace(cfg, attention_saved=saved)),
+                            get("bf16_attn_out_saved_e5m6_pow2"))
+        logits, pull = jax.vjp(lambda p: qm.apply({"params": p}, tokens)[0], params)
+        res = [a for a in jax.tree.leaves(pull) if hasattr(a, "dtype")]
+        out[saved] = (logits, [a.shape for a in res if a.dtype == jnp.float16],
+                      sum(a.shape == o_shape for a in res))
+    np.testing.assert_array_equal(np.asarray(out["float32"][0]),
+                                  np.asarray(out["e5m6_block128_pow2"][0]))
+    assert out["e5m6_block128_pow2"][1] == out["float32"][1] == [(1, 48, 128)]
+    assert out["float32"][2] == 4 and out["e5m6_block128_pow2"][2] == 3  # q, k, v (+ O)
+    with pytest.raises(ValueError, match="attention_saved='e5m7'"):
+        ModelConfig(attention_saved="e5m7")

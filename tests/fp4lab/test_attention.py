@@ -119,3 +119,94 @@ def test_bad_arguments_are_named():
         flash_attention(q, k, v, block_k=0)
     with pytest.raises(ValueError, match="L=8 <= T=6"):
         flash_attention(np.zeros((8, 8)), k, v, causal=True)
+
+
+# ------------------------------------------ DeepSeek-V3: one E5M6 copy of the attention output
+
+B, H, L, T, K, DV = 2, 4, 16, 24, 16, 32  # H * DV = 128: one 1x128 block per query
+FMT = "e5m6_block128_pow2"
+
+
+def _attention_then_gemm(saved):
+    """The attention output (heads merged) into a GEMM that stores its input in E5M6
+    (recipe bf16_saved_e5m6_pow2); ``saved``: flash_attention's saved_format / saved_dtype."""
+    from fp4lab.qdot import qdot_general
+
+    kw = {"saved_format": saved} if saved == FMT else {"saved_dtype": saved}
+
+    def f(q, k, v, w):
+        o = flash_attention(q, k, v, causal=True, block_k=8, **kw)
+        x = o.transpose(0, 2, 1, 3).reshape(B, L, H * DV)
+        return qdot_general(x, w, (((2,), (0,)), ((), ())), "bf16_saved_e5m6_pow2")
+
+    return f
+
+
+def _gemm_inputs():
+    q, k, v = _inputs((B, H, L, K), (B, H, T, K), DV, seed=5)
+    rng = np.random.default_rng(6)
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
+    w = bf16(rng.standard_normal((H * DV, 24)))  # the recipe's BF16 casts are exact
+    g = bf16(rng.standard_normal((B, L, 24)))
+    return q, k, v, w, g
+
+
+def _oracle(q, k, v, w, g, o_used):
+    """float64 gradients of <g, merge(attention(q, k, v)) @ w> whose two backward consumers,
+    the GEMM's wgrad and the attention's D = rowsum(dO * O), both use ``o_used``."""
+    q, k, v, w, g, o_used = (np.asarray(a, np.float64) for a in (q, k, v, w, g, o_used))
+    s = np.einsum("bhld,bhtd->bhlt", q, k) / np.sqrt(K)
+    s = np.where(np.arange(T)[None, :] <= np.arange(L)[:, None] + (T - L), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x_used = o_used.transpose(0, 2, 1, 3).reshape(B, L, H * DV)
+    dw = np.einsum("blk,bln->kn", x_used, g)
+    do = (g @ w.T).reshape(B, L, H, DV).transpose(0, 2, 1, 3)
+    delta = np.sum(do * o_used, -1, keepdims=True)
+    dv = np.einsum("bhlt,bhld->bhtd", p, do)
+    ds = p * (np.einsum("bhld,bhtd->bhlt", do, v) - delta)
+    dq = np.einsum("bhlt,bhtd->bhld", ds, k) / np.sqrt(K)
+    dk = np.einsum("bhlt,bhld->bhtd", ds, q) / np.sqrt(K)
+    return dq, dk, dv, dw
+
+
+def test_the_e5m6_attention_output_is_one_copy_shared_by_both_consumers():
+    """DeepSeek-V3 keeps the attention output once, in E5M6 with power-of-two scales, for
+    the next GEMM's wgrad and the attention's backward. The vjp's residuals hold one E5M6
+    copy (the GEMM's) and no other copy of O; the gradients equal a float64 oracle in which
+    both consumers use DQ(Q(O)), and differ from one that uses O itself."""
+    import fp4lab
+    from fp4lab.attention import stored_output
+
+    q, k, v, w, g = _gemm_inputs()
+    f = _attention_then_gemm(FMT)
+    _, pull = jax.vjp(f, q, k, v, w)
+    res = [a for a in jax.tree.leaves(pull) if hasattr(a, "dtype")]
+    o_shape = (B, H, L, DV)
+    assert [a.shape for a in res if a.dtype == jnp.float16] == [(1, B * L, H * DV)]
+    assert not [a for a in res if a.shape == o_shape]  # the attention keeps no O
+    _, pull_dtype = jax.vjp(_attention_then_gemm("float32"), q, k, v, w)
+    assert [a.shape for a in jax.tree.leaves(pull_dtype) if hasattr(a, "shape")
+            and a.shape == o_shape] == [o_shape]  # a dtype: the attention's own second copy
+
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2, 3)))(q, k, v, w)
+    o = jax.jit(lambda *a: flash_attention(*a, causal=True, block_k=8))(q, k, v)
+    o_stored = stored_output(o, fp4lab.get_format(FMT), jnp.float32)
+    assert not np.array_equal(np.asarray(o_stored), np.asarray(o))
+    want = _oracle(q, k, v, w, g, o_stored)
+    exact = _oracle(q, k, v, w, g, o)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dw"), got, want, exact):
+        a, scale = np.asarray(a, np.float64), np.max(np.abs(b))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
+        if name != "dv":  # dV = P^T dO does not read O
+            assert np.max(np.abs(a - c)) > 1e-4 * scale, name
+
+
+def test_saved_format_refuses_casts_and_double_settings():
+    q, k, v = _inputs((1, 4, 8), (1, 4, 8), 8)
+    with pytest.raises(ValueError, match="saved_format='bf16' is a cast"):
+        flash_attention(q, k, v, saved_format="bf16")
+    with pytest.raises(ValueError, match="give one"):
+        flash_attention(q, k, v, saved_format=FMT, saved_dtype="float32")
+    with pytest.raises(ValueError, match="unknown format 'e5m7'"):
+        flash_attention(q, k, v, saved_format="e5m7")
