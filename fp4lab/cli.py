@@ -1,7 +1,7 @@
 """The ``fp4lab`` command line.
 
     fp4lab formats                     table of every format (bits, range, block, scale, cost)
-    fp4lab export PARAMS --policy P --layout L --out PATH [--compute-dtype bfloat16]
+    fp4lab export PARAMS --policy P --layout L --out PATH [--compute-dtype stored]
                                        quantized weights as a GGUF / MXFP4 / NVFP4 checkpoint
     fp4lab compare [--tensor F.npy]    SQNR / underflow / saturation / scale health of every
                                        format on several distributions (and your tensors)
@@ -12,7 +12,9 @@
 are parameter paths (``blocks_0/mlp/up/kernel``; Flax:
 ``{"/".join(k): v for k, v in flax.traverse_util.flatten_dict(params).items()}``) and
 quantizes every linear layer's kernel as the policy's forward pass does
-(``fp4lab.export``, docs/export.md).
+(``fp4lab.export``, docs/export.md): by default the kernel as stored, as a layer without
+``dtype=`` computes; ``--compute-dtype bfloat16`` for layers that cast it (``Dense(dtype=
+jnp.bfloat16)``).
 
 Your tensors are quantized in their own dtype (float32, bfloat16, float16; float64 is read
 as float32); the synthetic distributions in ``--dtype`` (BF16 by default, as training
@@ -249,7 +251,7 @@ def _cmd_compare(args) -> int:
         print(f"\n## {tname} ({shape}, {tensors[tname].dtype})\n")
         print(_table(rows))
     print("\nunderflow: fraction of nonzero inputs that dequantize to 0; saturation: inputs "
-          "clipped at the element max;\nbad scales: blocks whose scale is zero/subnormal "
+          "clipped at the element range;\nbad scales: blocks whose scale is zero/subnormal "
           "(E8M0: clamped at 2^-127).")
     if args.plot:
         _plot(results, args.plot)
@@ -285,7 +287,7 @@ def load_params(path: str) -> dict:
 def _cmd_export(args) -> int:
     from fp4lab import export
 
-    dtype = None if args.compute_dtype == "none" else args.compute_dtype
+    dtype = None if args.compute_dtype == "stored" else args.compute_dtype
     out = export.export(load_params(args.params), args.policy, args.out, args.layout,
                         compute_dtype=dtype)
     print(f"wrote {out} ({args.layout}, policy {args.policy})")
@@ -320,17 +322,18 @@ def main(argv: list[str] | None = None) -> int:
                    "mxfp4_weights, nvfp4, ...), a preset, all:<recipe> or file:<policy.json>")
     e.add_argument("--layout", required=True, choices=LAYOUTS)
     e.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
-    e.add_argument("--compute-dtype", default="bfloat16",
-                   choices=("bfloat16", "float16", "float32", "none"),
-                   help="the dtype the layers cast their kernels to before the GEMM (the "
-                        "forward quantizes that; default bfloat16; none: as stored)")
+    e.add_argument("--compute-dtype", default="stored",
+                   choices=("stored", "bfloat16", "float16", "float32"),
+                   help="the dtype the layers cast their kernels to before the GEMM, which "
+                        "the forward quantizes (default: stored, the kernel as stored, as a "
+                        "layer without dtype= computes; bfloat16 for Dense(dtype=bfloat16))")
     e.set_defaults(fn=_cmd_export)
     args = p.parse_args(argv)
     if getattr(args, "size", 1024) % 1024 or getattr(args, "size", 1024) <= 0:
         p.error(f"--size={args.size} must be a positive multiple of 1024")
     try:
         return args.fn(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+    except (ValueError, TypeError, KeyError, OSError, ImportError) as e:
         print(f"fp4lab: error: {e}", file=sys.stderr)
         return 2
 

@@ -2,9 +2,11 @@
 
 From a parameter tree (Linen variables or an NNX model) and a policy (or a recipe for every
 layer), :func:`quantized_weights` quantizes each linear layer's kernel exactly as its forward
-GEMM does: the kernel cast to the layer's compute dtype, then ``recipe.fprop_w``'s format
-and tile, in blocks along the kernel's input axis K. :func:`save` writes such tensors in one
-of four layouts (docs/export.md has every byte):
+GEMM does: the kernel cast to the layer's compute dtype (by default: as stored), then
+``recipe.fprop_w``'s format and tile, in blocks along the kernel's input axis K (a
+``DenseGeneral`` kernel's contracting axes, flattened into K, as the GEMM sees it; GGML's
+blocks of zero scale hold the bytes of llama.cpp's C quantizer, subnormals included).
+:func:`save` writes such tensors in one of four layouts (docs/export.md has every byte):
 
 * ``gguf`` (llama.cpp): ``int4_q4_0`` weights as GGML Q4_0, ``int8_q8_0`` as Q8_0, through
   the ``gguf`` package's writer: per block of 32 along K, the float16 scale, then 16 bytes
@@ -25,22 +27,30 @@ of four layouts (docs/export.md has every byte):
   static ``input_scale``; ``hf_quant_config.json``.
 
 What a layout cannot hold is refused, naming the tensor: a weight format it has no type for,
-a K that is not a whole number of blocks, an MXFP4 block whose scale is NaN (E8M0 0xFF, which
-transformers reads as 2^128), an NVFP4 tensor whose amax is not finite. 2D weight tiles
-(NVFP4's 16x16) are written as the 1D groups the consumers know, each group carrying its
-tile's scale: the values are the same, and :func:`load` returns the 1D form.
+a K that is not a whole number of blocks, a GGUF block whose float16 scale is not finite (a
+NaN or infinite weight), an MXFP4 block whose scale is NaN (E8M0 0xFF, which transformers
+reads as 2^128), an NVFP4 tensor whose amax is not finite. 2D weight tiles (NVFP4's 16x16)
+are written as the 1D groups the consumers know, each group carrying its tile's scale: the
+values are the same, and :func:`load` returns the 1D form. Files are written whole or not
+at all (a temporary file renamed), with the ordinary file mode; the optional packages
+(``gguf``, ``safetensors``) missing is an error naming the ``export`` extra.
 
 :func:`load` reads any of them back into QArrays (kernels in their ``[in, out]`` layout,
 blocks along ``in``) and arrays, keyed by parameter path. It also reads checkpoints made
 elsewhere in these layouts (a GGUF file; gpt-oss, compressed-tensors or ModelOpt safetensors,
 recognized by their tensor names and keyed by them), so they can be studied with fp4lab's
-probes.
+probes. A truncated or corrupt file is an error naming the file (and the tensor whose bytes
+it lacks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
+import math
+import os
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -61,6 +71,8 @@ __all__ = ["LAYOUTS", "quantized_weights", "save", "export", "load", "tensor_nam
 LAYOUTS = ("gguf", "mxfp4", "nvfp4", "nvfp4_modelopt")
 NVFP4_FACTOR = np.float32(2688.0)  # 6 (E2M1's max) * 448 (E4M3's max)
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
+F32 = np.float32
+_EXTRA = "pip install 'fp4lab[export]'"
 
 
 # ---------------------------------------------------------------------------- the weights
@@ -95,18 +107,25 @@ def _policy(policy) -> PrecisionPolicy:
 
 
 def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
-                      compute_dtype=None, num_blocks: int | None = None
+                      compute_dtype=None, num_blocks: int | None = None,
+                      contracting: Mapping[str, int] | None = None
                       ) -> dict[str, QArray | jax.Array]:
     """Every parameter as the policy's forward pass uses it, keyed by path (``"blocks_0/mlp/
-    up/kernel"``): a linear layer's kernel ``[in, out]`` whose recipe quantizes the forward
-    weight becomes the QArray of ``quantize(kernel.astype(compute_dtype), fprop_w.format,
-    axis=0, tile=fprop_w.tile)``; a pass-through recipe's kernel is cast to its format (BF16,
-    FP16, FP32); everything else (embeddings, norms, convolutions, biases) is returned as
-    it is. ``compute_dtype``: the dtype the layer casts its kernel to before the GEMM (a Flax
-    ``Dense(dtype=jnp.bfloat16)`` quantizes the BF16 kernel, not the float32 master copy);
-    ``None`` keeps the parameters' own dtype. A policy is a preset name, ``all:<recipe>``,
-    ``file:<policy.json>``, a :class:`PrecisionPolicy`, or a :class:`Recipe` (or a recipe's
-    name) for every layer."""
+    up/kernel"``): a linear layer's kernel whose recipe quantizes the forward weight becomes
+    the QArray of its GEMM's weight matrix ``[K, N]`` (the kernel itself for a ``[in, out]``
+    kernel; a ``DenseGeneral`` kernel with its contracting axes, then its feature axes,
+    flattened, as fp4lab's interception of the layer hands it to the GEMM):
+    ``quantize(kernel.astype(compute_dtype), fprop_w.format, axis=0, tile=fprop_w.tile)``;
+    a pass-through recipe's kernel is cast to its format (BF16, FP16, FP32); everything else
+    (embeddings, norms, convolutions, biases) is returned as it is. ``compute_dtype``: the
+    dtype the layer casts its kernel to before the GEMM (a Flax ``Dense(dtype=jnp.bfloat16)``
+    quantizes the BF16 kernel, not the float32 master copy); ``None`` keeps the parameters'
+    own dtype, as a layer without ``dtype=`` computes. ``contracting``: ``{layer path: n}``,
+    the number of leading kernel axes a layer contracts, for kernels of rank >= 3 without a
+    bias to read it from (a ``DenseGeneral``'s bias has the kernel's feature axes). A policy
+    is a preset name, ``all:<recipe>``, ``file:<policy.json>``, a :class:`PrecisionPolicy`,
+    or a :class:`Recipe` (or a recipe's name) for every layer. GGML formats' blocks whose
+    float16 scale is zero hold GGML's own codes (:func:`_ggml_reference`)."""
     policy = _policy(policy)
     flat, layers = _flat_params(params)
     if not any(f"{layer}/kernel" in flat for layer in layers):
@@ -120,23 +139,79 @@ def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
             out[path] = value
             continue
         recipe = policy.assign(layer, layers[layer], num_blocks).recipe
-        op = recipe.fprop_w
         w = jnp.asarray(value)
         if compute_dtype is not None:
             w = w.astype(compute_dtype)
-        if op.format.is_passthrough:
-            out[path] = w.astype(op.format.element.storage)
+        if recipe.fprop_w.format.is_passthrough:
+            out[path] = w.astype(recipe.fprop_w.format.element.storage)
             continue
-        if op.hadamard or op.rounding != "nearest":
+        if recipe.fprop_w.hadamard or recipe.fprop_w.rounding != "nearest":
             raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
                              "rounds the forward weight; a checkpoint holds one fixed weight")
-        if w.ndim != 2:
-            raise ValueError(f"{path}: a kernel of shape {w.shape}; quantized_weights takes "
-                             "[in, out] kernels (quantize others with fp4lab.quantize along "
-                             "their input axis and pass the QArrays to save)")
-        out[path] = quantize(w.astype(jnp.float32), op.format, axis=-1 if op.tile else 0,
-                             tile=op.tile)
+        n = (contracting or {}).get(layer) or _contracting_axes(path, w, flat.get(
+            f"{layer}/bias"))
+        w = w.reshape(math.prod(w.shape[:n]), -1).astype(jnp.float32)
+        out[path] = _quantize_weight(path, w, recipe.fprop_w)
     return out
+
+
+def _contracting_axes(path: str, kernel, bias) -> int:
+    """How many leading axes of a kernel its layer contracts: 1 for ``[in, out]``; for a
+    ``DenseGeneral`` kernel ``[*in, *features]``, the axes its bias (``[*features]``) lacks."""
+    if kernel.ndim == 2:
+        return 1
+    n = None if bias is None else kernel.ndim - np.ndim(bias)
+    if n is None or n < 1 or tuple(kernel.shape[n:]) != tuple(np.shape(bias)):
+        raise ValueError(f"{path}: a kernel of shape {kernel.shape} whose contracting axes "
+                         "its bias does not tell; pass contracting={layer path: the number "
+                         "of leading axes the layer contracts}")
+    return n
+
+
+def _quantize_weight(path: str, w: jax.Array, op) -> QArray:
+    """The forward weight ``[K, N]`` (float32) quantized as ``op`` does, blocks along K;
+    GGML's zero-scale blocks as GGML's C code writes them."""
+    q = quantize(w, op.format, axis=-1 if op.tile else 0, tile=op.tile)
+    if op.format.name not in _GGUF_TYPES or w.shape[0] % op.format.block:
+        return q  # a K the GGUF layout cannot hold is refused by save, naming the tensor
+    b = _blocks(path, q)
+    zero = b.scales == 0
+    if not zero.any():
+        return q
+    x = np.asarray(w).T.reshape(b.scales.shape + (b.block,))
+    codes, scales = b.codes.reshape(x.shape).copy(), b.scales.copy()
+    codes[zero], scales[zero] = _ggml_reference(x[zero], q.format.name)
+    return _qarray(codes.reshape(b.codes.shape), scales, q.format.name)
+
+
+def _ggml_reference(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """GGML's ``quantize_row_q4_0_ref`` / ``quantize_row_q8_0_ref`` (ggml-quants.c) of
+    float32 blocks ``[n, 32]`` in NumPy's IEEE float32, subnormals included: the codes as
+    :class:`_Blocks` holds them and the float16 scales.
+
+    fp4lab's quantizer computes the same, except where XLA:CPU flushes subnormals (a block
+    maximum below ~2**-122): those blocks' float16 scale is zero and so are their values,
+    but their bytes differ from GGML's, so the export takes them from here. The Q4_0 maximum
+    is the first of largest magnitude, +0 when all are zero (C starts from ``max = 0.0f``);
+    ``d = max / -8`` (Q8_0: ``amax / 127``), ``id = d ? 1/d : 0``. A subnormal ``d`` makes
+    ``id`` infinite and the float-to-int8 conversion of ``inf`` or ``NaN`` undefined in C:
+    x86-64 gives 0, which is what llama.cpp's builds write there."""
+    q4 = fmt == "int4_q4_0"
+    a = np.abs(x)
+    with np.errstate(all="ignore"):
+        if q4:
+            m = np.take_along_axis(x, np.argmax(a, axis=-1)[:, None], -1)
+            d = np.where(m != 0, m, F32(0)) / F32(-8)
+        else:
+            d = np.max(a, axis=-1, keepdims=True) / F32(127)
+        v = x * np.where(d != 0, F32(1) / d, F32(0))
+        if q4:
+            c = np.trunc(v + F32(8.5))
+        else:  # roundf: half away from zero (v - trunc(v) is exact)
+            c = np.trunc(v) + np.where(np.abs(v - np.trunc(v)) >= 0.5, np.sign(v), 0)
+    c = np.where(np.isfinite(c), c, 0).astype(np.int8)
+    codes = (np.minimum(c, 15) - 8).astype(np.uint8) & 0x0F if q4 else c
+    return codes, d[:, 0].astype(np.float16)
 
 
 # ---------------------------------------------------------------- QArray <-> block arrays
@@ -237,6 +312,27 @@ def _plain(value) -> np.ndarray:
     return a
 
 
+def _require(module: str):
+    """An optional dependency (the ``export`` extra), or a one-line error naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"fp4lab.export needs the {module.partition('.')[0]!r} "
+                                  f"package: {_EXTRA}", name=e.name) from None
+
+
+@contextlib.contextmanager
+def _atomic(path: Path):
+    """A temporary path beside ``path`` that replaces it once the block succeeds (removed if
+    it fails); created by ``open``, so with the ordinary umask-respecting mode."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------- GGUF
 
 _GGUF_TYPES = {"int4_q4_0": "Q4_0", "int8_q8_0": "Q8_0"}
@@ -271,9 +367,26 @@ def _from_ggml(raw: np.ndarray, qtype: str, shape_out_in: tuple[int, ...]) -> QA
     return _qarray(codes, d, "int8_q8_0")
 
 
-def _save_gguf(tensors, path: Path, names, metadata, arch: str):
-    import gguf
+def _ggml_raw(p: str, q: QArray, qtype: str) -> np.ndarray:
+    """A quantized kernel's GGML bytes; a block whose float16 scale is not finite (a NaN or
+    infinite weight, or a block maximum beyond the float16 scale's range) is refused."""
+    b = _blocks(p, q)
+    bad = ~np.isfinite(b.scales.astype(np.float32))
+    if bad.any():
+        raise ValueError(f"{p}: {int(bad.sum())} block(s) of {b.block} have a non-finite "
+                         f"{qtype} scale (a NaN or infinite weight, or a block maximum beyond "
+                         "the float16 scale's range); llama.cpp would read NaN or infinite "
+                         "weights there")
+    return _q4_0_bytes(b) if qtype == "Q4_0" else _q8_0_bytes(b)
 
+
+def _save_gguf(tensors, path: Path, names, metadata, arch: str):
+    gguf = _require("gguf")
+    with _atomic(path) as tmp:
+        _write_gguf(gguf, tensors, tmp, names, metadata, arch)
+
+
+def _write_gguf(gguf, tensors, path: Path, names, metadata, arch: str):
     writer = gguf.GGUFWriter(str(path), arch)
     index = {}
     for p, value in tensors.items():
@@ -284,8 +397,7 @@ def _save_gguf(tensors, path: Path, names, metadata, arch: str):
                 known = ", ".join(f"{k} ({v})" for k, v in _GGUF_TYPES.items())
                 raise ValueError(f"{p}: format {value.format.name!r} has no GGUF type; GGUF "
                                  f"takes {known} or a pass-through dtype")
-            b = _blocks(p, value)
-            raw = _q4_0_bytes(b) if qtype == "Q4_0" else _q8_0_bytes(b)
+            raw = _ggml_raw(p, value, qtype)
             writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
             index[name] = {"path": p, "transposed": True, "format": value.format.name}
             continue
@@ -311,12 +423,41 @@ def _save_gguf(tensors, path: Path, names, metadata, arch: str):
     writer.close()
 
 
-def _load_gguf(path: Path) -> dict:
-    import gguf
+def _corrupt(path: Path, detail) -> ValueError:
+    return ValueError(f"{str(path)!r} is truncated or corrupt: {detail}")
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("fp4lab.tensors")
-    index = None if field is None else json.loads(bytes(field.parts[field.data[0]]).decode())
+
+# what a file parser raises on bytes that are not what they should be
+_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
+
+
+def _gguf_reader(gguf, path: Path):
+    """gguf's reader of ``path``; a truncated or corrupt file is a ValueError naming it, and
+    the tensor whose bytes the file lacks."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for f in fields:  # parts: name length, name, n_dims, dims, GGML type, offset
+                name, dims, kind, offset = (f.parts[i] for i in (1, 3, 4, 5))
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(kind[0]))]
+                end = start_offs + int(offset[0]) + math.prod(map(int, dims)) * size // block
+                if end > len(self.data):
+                    raise _corrupt(path, f"tensor {bytes(name).decode()!r} ends at byte {end}, "
+                                         f"past the end of the file ({len(self.data)} bytes)")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        reader = Reader(str(path))
+        field = reader.fields.get("fp4lab.tensors")
+        index = (None if field is None else
+                 json.loads(bytes(field.parts[field.data[0]]).decode()))
+    except _PARSE_ERRORS as e:
+        raise (e if "truncated or corrupt" in str(e) else _corrupt(path, e)) from None
+    return reader, index
+
+
+def _load_gguf(path: Path) -> dict:
+    reader, index = _gguf_reader(_require("gguf"), path)
     out = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -346,10 +487,25 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]):
-    from safetensors.flax import save_file
-
+    """safetensors' serialization, written atomically with the ordinary file mode (its own
+    ``save_file`` leaves 0600)."""
+    data = _require("safetensors.flax").save({k: jnp.asarray(v) for k, v in tensors.items()},
+                                             metadata=metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(path), metadata=metadata)
+    with _atomic(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def _st_entry(path: Path, name: str, info) -> tuple[np.dtype, int, int, tuple[int, ...]]:
+    """A safetensors header entry: the tensor's dtype, byte range and shape."""
+    try:
+        kind, (start, end) = info["dtype"], map(int, info["data_offsets"])
+        shape = tuple(int(n) for n in info["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise _corrupt(path, f"tensor {name!r} is described as {info!r}") from None
+    if kind not in _ST_DTYPES:
+        raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {kind}")
+    return np.dtype(_ST_DTYPES[kind]), start, end, shape
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -357,17 +513,22 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
     cannot hand to NumPy): an 8-byte little-endian header length, the JSON header, the
     tensors' bytes at the offsets it gives."""
     raw = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    meta = header.pop("__metadata__", {}) or {}
+    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else None
+    if n is None or n > len(raw) - 8:
+        raise _corrupt(path, f"{len(raw)} bytes, fewer than its header needs")
+    try:
+        header = json.loads(raw[8:8 + n])
+        meta = header.pop("__metadata__", {}) or {}
+    except (ValueError, AttributeError) as e:
+        raise _corrupt(path, f"its header is not a safetensors header ({e})") from None
     body = memoryview(raw)[8 + n:]
     out = {}
     for name, info in header.items():
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(info["shape"]).copy()
+        dtype, start, end, shape = _st_entry(path, name, info)
+        if not 0 <= start <= end <= len(body) or end - start != math.prod(shape) * dtype.itemsize:
+            raise _corrupt(path, f"tensor {name!r} {list(shape)} needs bytes {start}..{end} of "
+                                 f"{len(body)}")
+        out[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape).copy()
     return out, meta
 
 
@@ -514,27 +675,53 @@ def _load_safetensors_dir(path: Path) -> dict:
     for f in files:  # one file, or a sharded checkpoint's shards
         t, meta = _read_safetensors(f)
         tensors.update(t)
-        index.update(json.loads(meta.get("fp4lab.tensors") or "{}"))
+        try:
+            index.update(json.loads(meta.get("fp4lab.tensors") or "{}"))
+        except ValueError as e:
+            raise _corrupt(f, f"its fp4lab.tensors index is not JSON ({e})") from None
     index = index or _guess_index(tensors)
     out = {}
     for name, info in index.items():
-        fmt = info.get("format")
-        if fmt is None:
-            a = tensors[name]
-            out[info["path"]] = np.swapaxes(a, -1, -2) if info["transposed"] else a
-        elif name.endswith("_blocks"):
-            blocks = tensors[name]
-            codes = _nibbles(blocks.reshape(blocks.shape[:-2] + (-1,)))
-            out[info["path"]] = _qarray(codes, tensors[name[:-len("_blocks")] + "_scales"], fmt)
-        else:
-            module = name.rpartition(".")[0]
-            codes = _nibbles(tensors[name])
-            out[info["path"]] = _qarray(codes, tensors[f"{module}.weight_scale"], "nvfp4",
-                                        amax=np.float32(info["amax"]))
+        try:
+            out[info["path"]] = _st_value(name, info, tensors)
+        except KeyError as e:
+            raise _corrupt(path, f"tensor {name!r} lacks {e}") from None
     return out
 
 
+def _st_value(name: str, info: dict, tensors: dict[str, np.ndarray]) -> QArray | np.ndarray:
+    """The array or QArray the index entry ``info`` of tensor ``name`` describes."""
+    fmt = info.get("format")
+    if fmt is None:
+        a = tensors[name]
+        return np.swapaxes(a, -1, -2) if info["transposed"] else a
+    if name.endswith("_blocks"):
+        blocks = tensors[name]
+        codes = _nibbles(blocks.reshape(blocks.shape[:-2] + (-1,)))
+        return _qarray(codes, tensors[name[:-len("_blocks")] + "_scales"], fmt)
+    module = name.rpartition(".")[0]
+    return _qarray(_nibbles(tensors[name]), tensors[f"{module}.weight_scale"], "nvfp4",
+                   amax=np.float32(info["amax"]))
+
+
 # ----------------------------------------------------------------------------- public API
+
+
+def _out_path(path, layout: str) -> Path:
+    """``path`` as a Path, refused unless it can be what ``layout`` writes: a ``.gguf`` file
+    that is not a folder, or a folder that is not a file, under no file."""
+    path = Path(path)
+    if layout == "gguf" and (path.is_dir() or path.suffix != ".gguf"):
+        raise ValueError(f"output path {str(path)!r}: the gguf layout writes one file whose "
+                         "name ends in .gguf" + (", and this is a folder" if path.is_dir()
+                                                 else ""))
+    if layout != "gguf" and path.exists() and not path.is_dir():
+        raise ValueError(f"output path {str(path)!r} is a file; the {layout} layout writes a "
+                         "folder (model.safetensors, config.json)")
+    above = next(p for p in path.parents if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"output path {str(path)!r} lies under the file {str(above)!r}")
+    return path
 
 
 def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: str, *,
@@ -558,7 +745,7 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
         if n in seen:
             raise ValueError(f"tensor name {n!r} for both {seen[n]!r} and {p!r}")
         seen[n] = p
-    path = Path(path)
+    path = _out_path(path, layout)
     if layout == "gguf":
         path.parent.mkdir(parents=True, exist_ok=True)
         _save_gguf(tensors, path, names, metadata, arch)
@@ -571,14 +758,16 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
 
 
 def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
-           compute_dtype=None, num_blocks: int | None = None, **save_kw) -> Path:
+           compute_dtype=None, num_blocks: int | None = None,
+           contracting: Mapping[str, int] | None = None, **save_kw) -> Path:
     """:func:`quantized_weights` of ``params`` under ``policy``, written by :func:`save`
     (the policy is recorded in the metadata)."""
     from fp4lab.policy import explain, policy_to_dict
 
     policy = _policy(policy)
+    _out_path(path, layout)  # a wrong path fails before the work
     weights = quantized_weights(params, policy, compute_dtype=compute_dtype,
-                                num_blocks=num_blocks)
+                                num_blocks=num_blocks, contracting=contracting)
     try:
         recorded = policy_to_dict(policy)
     except ValueError:  # a recipe outside the registry: its layers' assignment, as text

@@ -7,7 +7,10 @@
   denominator, fp4lab's default; NVFP4 on N(0, 1) gives about 6.8 %).
 * ``underflow_all``: the same count over *all* elements (the denominator of TE's debug
   feature), for comparison with TE logs.
-* ``saturation``: ``count(|x * enc| > max_elem) / count(x)``, measured before clipping.
+* ``saturation``: ``count(x * enc outside [lowest, max_elem]) / count(x)``, measured before
+  clipping: the values the element range clips. ``lowest`` is the least value the format's
+  rounding gives, ``-max_elem`` except for GGML Q4_0, whose codes reach -8 (the block
+  maximum's own code), so a block it represents exactly saturates nothing.
 * ``mse``: ``||x - x̂||² / n`` (absolute; the quantity TE's debug features threshold);
   ``rel_mse``: ``||x - x̂||² / ||x||²``; ``sqnr_db``: ``20 log10(||x|| / ||x - x̂||)`` (inf
   when exact).
@@ -72,7 +75,8 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
     b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
     # the dequantized values rounded (no FMA with the subtraction in error_metrics)
     y = _rounded_output(_from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g))
-    saturated = _from_blocks(jnp.abs(b.v) > fmt.element.max, g)
+    lowest = fmt.scaling.round_nearest(jnp.float32(-jnp.finfo(jnp.float32).max), fmt.element)
+    saturated = _from_blocks((b.v > fmt.element.max) | (b.v < lowest), g)
     bad = fmt.scaling.bad_scale(b.scale)
     return {
         **error_metrics(x, y),

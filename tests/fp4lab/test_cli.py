@@ -1,5 +1,6 @@
 """The fp4lab console script."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,8 +86,9 @@ def test_export_writes_a_checkpoint_from_a_parameter_file(tmp_path, capsys):
             "norm/scale": np.ones(64, np.float32)}
     np.savez(tmp_path / "params.npz", **flat)
     save_file({k: jnp.asarray(v) for k, v in flat.items()}, str(tmp_path / "p.safetensors"))
-    want = fp4lab.quantize(jnp.asarray(flat["blocks_0/mlp/up/kernel"], jnp.bfloat16).astype(
-        jnp.float32), "int4_q4_0", axis=0)  # the BF16 kernel, as a BF16 layer's forward
+    want = fp4lab.export.quantized_weights(  # the kernel as stored, by default
+        {"blocks_0": {"mlp": {"up": {"kernel": flat["blocks_0/mlp/up/kernel"]}}}},
+        "q4_0_qat")["blocks_0/mlp/up/kernel"]
     for source in ("params.npz", "p.safetensors"):
         out = tmp_path / f"{source}.gguf"
         assert cli.main(["export", str(tmp_path / source), "--policy", "q4_0_qat",
@@ -105,3 +107,67 @@ def test_export_writes_a_checkpoint_from_a_parameter_file(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "missing.npz"), "--policy", "nvfp4", "--layout",
                      "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_path_errors_are_one_line(tmp_path, capsys):
+    """An --out of the wrong kind (a file for a folder layout, a folder for GGUF, a path under
+    a file) is one line, before any work; so is a corrupt parameter file."""
+    np.savez(tmp_path / "p.npz", **{"l/kernel": np.ones((64, 8), np.float32)})
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir.gguf").mkdir()
+    for layout, out, message in (
+            ("nvfp4", "file", "is a file; the nvfp4 layout writes a folder"),
+            ("gguf", "dir.gguf", "writes one file whose name ends in .gguf, and this is a folder"),
+            ("gguf", "m.bin", "writes one file whose name ends in .gguf"),
+            ("mxfp4", "file/sub", "lies under the file")):
+        policy = {"nvfp4": "nvfp4", "gguf": "q4_0_qat", "mxfp4": "mxfp4_weights"}[layout]
+        assert cli.main(["export", str(tmp_path / "p.npz"), "--policy", policy, "--layout",
+                         layout, "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00")
+    assert cli.main(["export", str(tmp_path / "bad.safetensors"), "--policy", "q4_0_qat",
+                     "--layout", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    assert "is truncated or corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing, layout", [("gguf", "gguf"), ("safetensors", "mxfp4")])
+def test_a_missing_export_dependency_names_the_extra(tmp_path, capsys, monkeypatch, missing,
+                                                     layout):
+    """Without the export extra (the demo venv had none), the command says what to install
+    in one line instead of a traceback from inside fp4lab.export."""
+    import sys
+
+    for name in [m for m in sys.modules if m == missing or m.startswith(missing + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # import gguf -> ModuleNotFoundError
+    np.savez(tmp_path / "p.npz", **{"l/kernel": np.ones((64, 8), np.float32)})
+    policy = {"gguf": "q4_0_qat", "mxfp4": "mxfp4_weights"}[layout]
+    out = tmp_path / ("m.gguf" if layout == "gguf" else "m")
+    assert cli.main(["export", str(tmp_path / "p.npz"), "--policy", policy, "--layout", layout,
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fp4lab: error: fp4lab.export needs the {missing!r} package: "
+                   "pip install 'fp4lab[export]'\n")
+    assert not out.exists()
+
+
+def test_q4_0_saturation_counts_only_clipped_values(tmp_path, capsys):
+    """Q4_0 represents these blocks exactly (equal values: each is the block maximum, code
+    -8; and the codes -8..7 times 0.25): no saturation, where it reported 100 % and 6.25 %;
+    values beyond the positive end (+8 in a block whose maximum is negative) are clipped
+    and counted."""
+    from fp4lab.metrics import quant_metrics
+
+    exact = np.stack([np.full(32, 0.75), np.tile(np.arange(-8, 8) * 0.25, 2)]).astype(
+        np.float32)
+    m = quant_metrics(jnp.asarray(exact), "int4_q4_0")
+    assert float(m["saturation"]) == 0.0 and float(m["sqnr_db"]) == np.inf
+    clipped = np.ones((1, 32), np.float32)
+    clipped[0, 0] = -1.0  # the maximum: d = 1/8, so each +1 is +8, clipped to code 7
+    assert float(quant_metrics(jnp.asarray(clipped), "int4_q4_0")["saturation"]) == 31 / 32
+    np.save(tmp_path / "exact.npy", exact)
+    assert cli.main(["compare", "--only-files", "--formats", "int4_q4_0", "--tensor",
+                     str(tmp_path / "exact.npy")]) == 0
+    row = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| int4_q4_0")][0]
+    assert row.split("|")[5].strip() == "0.000", row  # saturation %

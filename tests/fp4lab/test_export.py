@@ -5,6 +5,9 @@ compressed-tensors) are in test_export_consumers.py."""
 
 import dataclasses
 import json
+import math
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -233,3 +236,182 @@ def test_a_gguf_file_made_by_ggml_loads_into_qarrays(tmp_path):
         step()
     with pytest.raises(ValueError, match="tensor 't' is GGML Q5_0"):
         fp4lab.load_exported(tmp_path / "k.gguf")
+
+
+# ------------------------------------------------------------ the QAT forward's own weights
+
+
+def _forward_weights(model, variables, *inputs) -> dict[str, np.ndarray]:
+    """Each Dense / DenseGeneral's weight as fp4lab's QAT forward multiplies it, read off the
+    forward itself: inside ``model.apply`` (a ``quantize_model`` wrapper), every layer's input
+    gets the one-hot vectors of its contracting axes appended, with the biases zeroed, whose
+    outputs are the rows of its GEMM's weight ``[K, N]`` exactly (a product with 1.0, sums
+    with 0.0: the values, not the signs of zeros); the layer's own rows go on through the
+    model."""
+    from flax import linen as nn
+
+    got = {}
+
+    def capture(next_fun, args, kwargs, context):
+        m = context.module
+        if not (isinstance(m, nn.DenseGeneral | nn.Dense) and context.method_name == "__call__"):
+            return next_fun(*args, **kwargs)
+        x = args[0]
+        n = len(np.atleast_1d(getattr(m, "axis", -1)))  # the contracting axes: the last n
+        assert sorted(a % x.ndim for a in np.atleast_1d(getattr(m, "axis", -1))) == list(
+            range(x.ndim - n, x.ndim))
+        lead, contracted = x.shape[:-n], x.shape[-n:]
+        k = math.prod(contracted)
+        eye = jnp.eye(k, dtype=x.dtype).reshape((k,) + contracted)
+        y = next_fun(jnp.concatenate([x.reshape((-1,) + contracted), eye]))
+        got["/".join(m.scope.path)] = np.asarray(y[-k:]).reshape(k, -1)
+        return y[:-k].reshape(lead + y.shape[1:])
+
+    zero_bias = jax.tree_util.tree_map_with_path(
+        lambda p, v: jnp.zeros_like(v) if jax.tree_util.keystr(p).endswith("['bias']") else v,
+        variables)
+    with nn.intercept_methods(capture):
+        model.apply(zero_bias, *inputs)
+    return got
+
+
+def _exported_values(weights) -> dict[str, np.ndarray]:
+    return {p.rpartition("/")[0]: np.asarray(fp4lab.dequantize(q)) for p, q in weights.items()
+            if p.endswith("/kernel")}
+
+
+def test_a_float32_dense_exports_the_weight_its_qat_forward_multiplies(tmp_path):
+    """A float32 Flax model (nn.Dense without dtype=) quantizes its float32 kernel: the
+    library's default and the command line's default (the kernel as stored) export exactly
+    the weight of its QAT forward (the command line's old BF16 default changed 77 % of the
+    Q4_0 values)."""
+    from flax import linen as nn
+    from flax import traverse_util
+
+    from fp4lab import cli
+    from fp4lab.flax import quantize_model
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32, name="down")(nn.relu(nn.Dense(64, name="up")(x)))
+
+    model = MLP()
+    variables = model.init(jax.random.key(0), jnp.ones((1, 64)))
+    forward = _forward_weights(quantize_model(model, "all:q4_0_qat"), variables,
+                               jnp.ones((2, 64)))
+    library = _exported_values(export.quantized_weights(variables, "q4_0_qat"))
+    assert set(forward) == set(library) == {"up", "down"}
+    for layer, w in forward.items():
+        np.testing.assert_array_equal(library[layer], w)
+    flat = {"/".join(k): np.asarray(v)
+            for k, v in traverse_util.flatten_dict(variables["params"]).items()}
+    np.savez(tmp_path / "p.npz", **flat)
+    assert cli.main(["export", str(tmp_path / "p.npz"), "--policy", "q4_0_qat", "--layout",
+                     "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    served = fp4lab.load_exported(tmp_path / "m.gguf")
+    for layer, w in forward.items():
+        got = np.asarray(fp4lab.dequantize(served[f"{layer}/kernel"]))
+        np.testing.assert_array_equal(got, w)
+    bf16 = _exported_values(export.quantized_weights(variables, "q4_0_qat",
+                                                     compute_dtype=jnp.bfloat16))
+    assert (bf16["up"] != forward["up"]).mean() > 0.5  # what the old default exported
+
+
+def test_stock_attention_kernels_export_as_their_qat_forward_multiplies(tmp_path):
+    """nn.MultiHeadDotProductAttention's DenseGeneral kernels (query/key/value [in, heads,
+    head_dim], out [heads, head_dim, out]) are quantized as fp4lab's interception hands them
+    to the GEMM: contracting axes flattened into K, blocks along K (the bias tells which
+    axes a kernel contracts; without one, ``contracting=`` does)."""
+    from flax import linen as nn
+
+    from fp4lab.flax import quantize_model
+
+    x = jax.random.normal(jax.random.key(1), (2, 5, 64))
+    for use_bias in (True, False):
+        model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=64,
+                                                use_bias=use_bias)
+        variables = model.init(jax.random.key(0), x, x)
+        forward = _forward_weights(quantize_model(model, "all:q4_0_qat"), variables, x, x)
+        assert set(forward) == {"query", "key", "value", "out"}
+        kw = {} if use_bias else {"contracting": {"query": 1, "key": 1, "value": 1, "out": 2}}
+        weights = export.quantized_weights(variables, "q4_0_qat", **kw)
+        exported = _exported_values(weights)
+        for layer, w in forward.items():
+            assert exported[layer].shape == (64, 64)
+            np.testing.assert_array_equal(exported[layer], w)
+        back = fp4lab.load_exported(export.save(weights, tmp_path / f"{use_bias}.gguf",
+                                                "gguf"))
+        _same_qarray(back["out/kernel"], weights["out/kernel"])
+    with pytest.raises(ValueError, match=r"key/kernel: a kernel of shape \(64, 2, 32\) whose "
+                                         "contracting axes its bias does not tell"):
+        export.quantized_weights(variables, "q4_0_qat")
+
+
+# ------------------------------------------------------------------- what GGUF cannot hold
+
+
+@pytest.mark.parametrize("recipe", ["q4_0_qat", "q8_0_qat"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e9])
+def test_gguf_refuses_a_block_it_would_write_as_nan_or_inf(tmp_path, recipe, bad):
+    """One NaN or infinite weight (or a block maximum whose float16 scale overflows: 1e9)
+    made its whole block NaN/inf in the file; now it is refused, naming the tensor, and
+    nothing is written."""
+    params = {"ok": {"kernel": jnp.ones((64, 8))},
+              "bad": {"kernel": jnp.ones((64, 8)).at[33, 2].set(bad)}}
+    with pytest.raises(ValueError, match=r"bad/kernel: 1 block\(s\) of 32 have a non-finite "):
+        export.export(params, recipe, tmp_path / "m.gguf", "gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exported_files_have_the_ordinary_mode(tmp_path):
+    """safetensors' own writer left 0600; every file is written with the umask's mode."""
+    old = os.umask(0o022)
+    try:
+        export.export(_params(), "nvfp4", tmp_path / "n", "nvfp4")
+        export.export(_params(), "q4_0_qat", tmp_path / "m.gguf", "gguf")
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "n" / "model.safetensors", tmp_path / "n" / "config.json",
+              tmp_path / "m.gguf"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [
+        "config.json", "m.gguf", "model.safetensors", "n"]  # no temporary file left
+
+
+@pytest.mark.parametrize("recipe, layout", [
+    ("q4_0_qat", "gguf"), ("mxfp4_weights", "mxfp4"), ("nvfp4", "nvfp4"),
+    ("nvfp4", "nvfp4_modelopt")])
+def test_a_truncated_or_corrupt_file_is_named(tmp_path, recipe, layout):
+    """load_exported on a cut or damaged checkpoint says so, naming the file (and the tensor
+    whose bytes are missing), instead of NumPy's reshape or struct's unpack errors."""
+    target = tmp_path / ("m.gguf" if layout == "gguf" else "m")
+    export.export(_params(), recipe, target, layout)
+    f = target if layout == "gguf" else target / "model.safetensors"
+    raw = f.read_bytes()
+    for n in (0, 4, 8, 30, len(raw) // 2, len(raw) - 1):
+        f.write_bytes(raw[:n])
+        with pytest.raises(ValueError, match="is truncated or corrupt") as e:
+            fp4lab.load_exported(target)
+        assert str(f) in str(e.value)
+        if n == len(raw) - 1:
+            assert repr(_last_tensor(raw, layout)) in str(e.value), str(e.value)
+    for at in (2, 12, 60):  # flipped bytes in the header
+        f.write_bytes(raw[:at] + bytes(b ^ 0xFF for b in raw[at:at + 4]) + raw[at + 4:])
+        with pytest.raises(ValueError, match="is truncated or corrupt"):
+            fp4lab.load_exported(target)
+
+
+def _last_tensor(raw: bytes, layout: str) -> str:
+    """The name of the tensor whose bytes come last in a file."""
+    if layout == "gguf":
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".gguf") as t:
+            t.write(raw)
+            t.flush()
+            tensors = gguf.GGUFReader(t.name).tensors
+            return max(tensors, key=lambda x: x.data_offset).name
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    return max(header, key=lambda k: header[k]["data_offsets"][1])
