@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: the probe runs need at least 1 step")
     config = load_config(args.config, args.overrides)
     policy, chosen = recommend(config, args.workdir, ladder=args.ladder.split(","),
                                steps=args.steps, max_underflow=args.max_underflow,

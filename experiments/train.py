@@ -176,6 +176,11 @@ def check_config(config):
     t = config.train
     if t.warmup >= t.steps:
         raise ValueError(f"train.warmup={t.warmup} must be below train.steps={t.steps}")
+    try:
+        jnp.dtype(config.model.dtype)
+    except TypeError:
+        raise ValueError(f"model.dtype={config.model.dtype!r} is not a dtype name (bfloat16, "
+                         "float32, ...)") from None
     backend = config.precision.get("backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"precision.backend={backend!r}: use one of {', '.join(BACKENDS)}")

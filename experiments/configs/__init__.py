@@ -79,7 +79,11 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem[0] != "_"))
         raise FileNotFoundError(f"config {str(path)!r} not found (configs here: {known})")
-    return apply_overrides(_load_module(path).get_config(), overrides)
+    module = _load_module(path) if path.suffix == ".py" else None
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config {str(path)!r} is not a config file: a .py file with a "
+                         "get_config() (as in experiments/configs/)")
+    return apply_overrides(module.get_config(), overrides)
 
 
 # keys (or sections) that do not change what a run computes (a run may resume with other
