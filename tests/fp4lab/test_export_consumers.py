@@ -1,7 +1,9 @@
 """fp4lab's MXFP4 and NVFP4 checkpoints dequantized by the consumers' own code: transformers'
 gpt-oss MXFP4 loader and compressed-tensors' NVFP4 decompressor (directly, and from the
 ModelOpt layout through its converter), run in the consumers' environment
-(scripts/consumer-venv; tests/consumers/dequantize.py), against ``fp4lab.dequantize``.
+(scripts/consumer-venv; tests/consumers/dequantize.py), against ``fp4lab.dequantize``; and
+fp4lab's GGUF Q4_0 / Q8_0 bytes against llama.cpp's own C quantizer
+(tests/consumers/ggml_quantize.py).
 
 The weights are the adversarial blocks of tests/adversarial.py (values on and beside every
 rounding boundary of the scale and element arithmetic), their non-finite values (which the
@@ -23,6 +25,7 @@ from fp4lab import export
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "consumers" / "dequantize.py"
+GGML_SCRIPT = ROOT / "tests" / "consumers" / "ggml_quantize.py"
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +154,69 @@ def test_a_checkpoint_made_by_compressed_tensors_loads_into_qarrays(consumer_pyt
         np.testing.assert_array_equal(bf16[differ], _bf16(f32)[differ])
         assert float(np.asarray(q.scale)[0, 0].astype(np.float32)) == 0.125  # the zero group
         assert (want[:16, 0] == 0).all()
+
+
+def _ggml_blocks(fmt: str) -> np.ndarray:
+    """Blocks of 32 (float32 ``[n, 32]``): GGML's adversarial blocks (tests/adversarial.py)
+    and those where fp4lab's arithmetic and C's part ways unless the export takes care:
+    subnormal maxima of either sign (C's ``d`` is subnormal, its ``1/d`` infinite) and tiny
+    ones (``d`` rounds to zero), maxima near 2**-124 among subnormals (XLA:CPU flushes
+    those), scales too small for float16, ties of +m and -m in both orders, zeros, -0.0
+    (alone, first, last), a lone subnormal among zeros, and negative maxima."""
+    rng = np.random.default_rng(0)
+    sub = lambda n, top: (rng.integers(1, top, n).astype(np.uint32).view(np.float32)  # noqa
+                          * rng.choice(np.float32([-1, 1]), n))
+    blocks = [c.x.reshape(-1, 32) for c in cases(fmt)]
+    blocks += [sub((16, 32), 2**23), sub((4, 32), 8)]
+    near = sub((8, 32), 2**23)
+    near[:, 5] = np.float32(2.0**-124) * rng.uniform(1, 2, 8).astype(np.float32)
+    near[::2, 5] *= -1
+    blocks += [near] + [(rng.standard_normal((8, 32)) * np.float32(2.0**e)).astype(np.float32)
+                        for e in (-124, -110, -40, -24)]
+    ties = np.ones((4, 32), np.float32) * np.float32(1.5)
+    ties[0, 3], ties[1, 0], ties[2, 31], ties[3, ::2] = -1.5, -1.5, -1.5, -1.5
+    zeros = np.zeros((6, 32), np.float32)
+    zeros[1], zeros[2, 0], zeros[3, 31] = -0.0, -0.0, -0.0
+    zeros[4, 9], zeros[5, 9] = 1e-40, -1e-40
+    negative = rng.standard_normal((8, 32)).astype(np.float32)
+    negative[np.arange(8), rng.integers(0, 32, 8)] = -5.0
+    return np.concatenate(blocks + [ties, zeros, negative])
+
+
+def _c_bytes(python, qtype, rows, tmp_path) -> np.ndarray:
+    np.save(tmp_path / "rows.npy", rows)
+    run = subprocess.run([str(python), str(GGML_SCRIPT), qtype, str(tmp_path / "rows.npy"),
+                          str(tmp_path / "c.npy")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return np.load(tmp_path / "c.npy")
+
+
+@pytest.mark.parametrize("fmt, recipe, qtype", [
+    ("int4_q4_0", "q4_0_qat", "Q4_0"), ("int8_q8_0", "q8_0_qat", "Q8_0")])
+def test_gguf_bytes_are_llama_cpps_own(consumer_python, tmp_path, fmt, recipe, qtype):
+    """The GGUF file's Q4_0 / Q8_0 bytes equal those of llama.cpp's C quantizer
+    (``ggml_quantize_chunk``: ``quantize_row_q4_0_ref`` / ``quantize_row_q8_0_ref``, as
+    llama-cpp-python built them) on the same float weights, block for block, including the
+    blocks whose maxima are float32 subnormals (zero scales whose sign, and codes, C's IEEE
+    arithmetic decides), and float32's largest values, whose bytes fp4lab computes alike
+    (their float16 scale overflows, so the writer refuses them: test_export.py)."""
+    blocks = _ggml_blocks(fmt)
+    blocks = np.concatenate([blocks, np.zeros((-len(blocks) % 8, 32), np.float32)])
+    rows = blocks.reshape(-1, 256)  # [out, in]: 8 blocks a row
+    path = export.export({"w": {"kernel": jnp.asarray(rows.T)}}, recipe, tmp_path / "m.gguf",
+                         "gguf")
+    import gguf
+
+    ours = np.asarray(gguf.GGUFReader(str(path)).tensors[0].data)
+    theirs = _c_bytes(consumer_python, qtype, rows, tmp_path)
+    size = theirs.shape[1] // 8
+    differ = (ours.reshape(-1, size) != theirs.reshape(-1, size)).any(axis=1)
+    assert ours.shape == theirs.shape and not differ.any(), (
+        f"{int(differ.sum())} of {len(differ)} blocks differ, e.g. block "
+        f"{blocks[differ][0]!r}")
+    top = np.finfo(np.float32).max
+    huge = np.float32([[top] + [1.0] * 31, [-top] + [-1.0] * 31, [1.0] * 31 + [-top]])
+    q = export.quantized_weights({"w": {"kernel": jnp.asarray(huge.T)}}, recipe)["w/kernel"]
+    b = export._blocks("w/kernel", q)
+    raw = export._q4_0_bytes(b) if qtype == "Q4_0" else export._q8_0_bytes(b)
+    np.testing.assert_array_equal(raw, _c_bytes(consumer_python, qtype, huge, tmp_path))
