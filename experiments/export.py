@@ -7,19 +7,22 @@ The run's last checkpoint is quantized under its own policy (``precision.policy`
 ``--policy``), each kernel cast to the model's compute dtype first, as the training forward
 did, and written in ``--layout``: ``gguf`` (Q4_0 / Q8_0 for llama.cpp), ``mxfp4`` (the
 gpt-oss layout transformers loads), ``nvfp4`` (compressed-tensors, vLLM) or
-``nvfp4_modelopt`` (TensorRT-LLM). docs/export.md describes every layout.
+``nvfp4_modelopt`` (TensorRT-LLM). docs/export.md describes every layout. A mistake (an
+``--out`` of the wrong kind, a missing run, the ``export`` extra not installed) is one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import policies
+from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.rollout import load_run, token_log_probs
 from fp4lab import export as fp4lab_export
@@ -75,6 +78,7 @@ def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 
     return -float(jnp.mean(token_log_probs(logits, tokens[:, 1:])))
 
 
+@command
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Export a trained run's quantized weights for "
                                  "an inference engine.")
@@ -83,7 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
     ap.add_argument("--policy", default=None, help="instead of the run's own policy")
     args = ap.parse_args(argv)
-    path = export_run(args.run, args.layout, args.out, policy=args.policy)
+    try:
+        path = export_run(args.run, args.layout, args.out, policy=args.policy)
+    except ImportError as e:  # the export extra (other mistakes: experiments.cli)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {path} ({args.layout})")
     return 0
 

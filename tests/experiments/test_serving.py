@@ -105,3 +105,19 @@ def test_the_same_model_served_by_transformers_and_compressed_tensors(
         assert served == ref
     else:
         assert served == pytest.approx(ref, rel=1e-6, abs=0) and served != 0
+
+
+@pytest.mark.slow
+def test_the_export_command_says_a_wrong_output_path_in_one_line(qat_run, tmp_path, capsys):
+    """--out a folder for GGUF, or a file for a folder layout: one line, no traceback."""
+    from experiments.export import main
+
+    (tmp_path / "file").write_text("x")
+    for layout, policy, out, message in (
+            ("gguf", "all:q4_0_qat", tmp_path, "and this is a folder"),
+            ("nvfp4", "all:nvfp4", tmp_path / "file", "is a file; the nvfp4 layout writes")):
+        assert main(["--run", str(qat_run), "--layout", layout, "--policy", policy,
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: output path") and message in err, err
+        assert err.count("\n") == 1
