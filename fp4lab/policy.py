@@ -163,6 +163,7 @@ class Assignment:
     block: int | None
     recipe: Recipe | None  # None: an intercepted call no op rule quantizes
     rule: int | None  # index of the rule that matched; None = default
+    stack: tuple[int, ...] = ()  # blocks stacked for a scan, one recipe for all of them
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,9 +185,11 @@ class PrecisionPolicy:
         return int(m.group(1)) if m else None
 
     def assign(self, path: str, kind: str | None = None,
-               num_blocks: int | None = None, *, _op: bool = False) -> Assignment:
-        """The recipe for one layer (the first matching rule, else the default)."""
-        block = self.block_of(path)
+               num_blocks: int | None = None, *, block: int | None = None,
+               _op: bool = False) -> Assignment:
+        """The recipe for one layer (the first matching rule, else the default); ``block``:
+        its block where the path does not say (one of the blocks stacked for a scan)."""
+        block = self.block_of(path) if block is None else block
         for i, r in enumerate(self.rules):
             if _op and r.kind != kind:  # an intercepted call: rules of its op kind only
                 continue
@@ -206,6 +209,27 @@ class PrecisionPolicy:
                     continue
             return Assignment(path, kind, block, r.recipe, i)
         return Assignment(path, kind, block, self.default, None)
+
+    def assign_stacked(self, path: str, kind: str | None, num_blocks: int | None,
+                       stack: tuple[int, ...]) -> Assignment | None:
+        """The one recipe of a layer (or call, for an op kind) stacked over ``stack`` blocks
+        (scanned blocks: one traced body runs them all), from the rules for each block;
+        refused when they differ, as depth rules make them. ``None``: a call no op rule
+        quantizes."""
+        op = kind in OP_KINDS
+        rows = [self.assign(path, kind, num_blocks, block=i, _op=op)
+                for i in range(math.prod(stack))]
+        chosen = [None if op and a.rule is None else a.recipe for a in rows]
+        if len(set(chosen)) > 1:
+            per_block = ", ".join(f"{i}: {'-' if r is None else r.name}"
+                                  for i, r in enumerate(chosen))
+            raise ValueError(f"policy {self.name}: {path} is {len(rows)} blocks stacked for a "
+                             f"scan, which run one recipe, but the rules give them different "
+                             f"ones ({per_block}); unstack the blocks (MaxText: "
+                             "scan_layers=False) or drop the depth rule")
+        if chosen[0] is None:
+            return None
+        return dataclasses.replace(rows[0], block=None, stack=tuple(stack))
 
     @property
     def governs_ops(self) -> bool:
@@ -250,6 +274,8 @@ class ExplainTable(list):
             if a.recipe is None:
                 rule = "no rule of this op kind: not quantized"
             blk = "-" if a.block is None else str(a.block)
+            if a.stack:
+                blk = f"0-{math.prod(a.stack) - 1}"
             recipe = "-" if a.recipe is None else a.recipe.name
             lines.append(f"{a.path.ljust(w)}  {a.kind or '-':15s}  {blk:>5}  "
                          f"{recipe:16s}  {rule}")

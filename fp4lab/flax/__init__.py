@@ -36,8 +36,9 @@ module (one traced body), so a depth rule cannot give scanned blocks different r
 
 from __future__ import annotations
 
+import math
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -69,8 +70,7 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
         name = "/".join(map(str, path))
         if type(m) in _nnx.KINDS:
             out.append((name, _nnx.KINDS[type(m)]))
-        for call, op in getattr(m, _nnx.OPS_ATTR, {}).items():
-            out.append((f"{name}/{call}" if name else call, op.kind))
+        out += [(op.path, op.kind) for op in getattr(m, _nnx.OPS_ATTR, {}).values()]
     return out
 
 
@@ -137,8 +137,8 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
         raise TypeError(f"quantize_model needs a Flax Linen or NNX module, got "
                         f"{type(model).__name__}")
     _nnx.release_ops(model)  # quantized before: its calls are found afresh under this policy
-    num_blocks = num_blocks or policy.infer_num_blocks(
-        p for p, k in linear_layers(model) if k not in OP_KINDS)
+    gemms = _nnx_gemms(model, policy, inputs, call_kwargs)
+    num_blocks = num_blocks or _num_blocks(policy, gemms)
     base = None
     if rngs is not None:
         base = rngs.quant() if "quant" in rngs else rngs()
@@ -151,41 +151,78 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
         key = jax.random.fold_in(base, path_hash)
         return make(*args, rngs=flax_nnx.Rngs(quant=key), backend=backend)
 
-    assignments = []
-    for path, m in list(flax_nnx.iter_modules(model)):
-        if type(m) not in _nnx.HOOKS:
-            continue
-        kind, hook, op = _nnx.HOOKS[type(m)]
-        name = "/".join(map(str, path))
-        assignments.append(a := policy.assign(name, kind, num_blocks))
-        # nnx.data: the hook was a static attribute (a function); the op carries rng state
-        hooked = _nnx.stacked(gemm(op, name, a.recipe), _nnx.layer_stack(m))
-        setattr(m, hook, flax_nnx.data(hooked))
-    if policy.governs_ops:
-        assignments += _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm)
+    assignments, ops = [], {}
+    for g in gemms:
+        a = _assign(policy, g, num_blocks)
+        if a is None:
+            continue  # a call no op rule quantizes
+        assignments.append(a)
+        if g.call is None:  # a layer: its hook (a static function) becomes an op with state
+            kind, hook, make = _nnx.HOOKS[type(g.module)]
+            setattr(g.module, hook, flax_nnx.data(_nnx.stacked(gemm(make, g.path, a.recipe),
+                                                               g.stack)))
+        else:
+            op = gemm(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1])
+            ops.setdefault(id(g.module), (g.module, {}))[1][g.call[0]] = _nnx.stacked(op,
+                                                                                  g.stack)
+    for module, calls in ops.values():
+        setattr(module, OPS_ATTR, flax_nnx.data(calls))
+    _nnx.intercept_ops(model)
     check_unused(policy, assignments, strict=strict, stacklevel=2, none_found=NONE_FOUND)
     return model
 
 
-def _quantize_ops(model, policy, num_blocks, inputs, call_kwargs, gemm) -> list:
-    """Find an NNX model's calls, give each quantized one a QuantOp in its module, and make
-    the model intercept them; the calls' assignments."""
-    if not inputs and not call_kwargs:
-        rules = ", ".join(repr(r.label()) for r in policy.rules if r.kind in OP_KINDS)
-        raise ValueError(f"policy {policy.name} quantizes calls inside modules (rules "
-                         f"{rules}): an NNX model needs example inputs to find them, "
-                         "quantize_model(model, policy, x)")
+class _Gemm(NamedTuple):
+    """A GEMM of an NNX model: a governed layer (``call`` None) or a call inside a module
+    (``call``: its name there and its op kind), stacked over ``stack`` blocks."""
+    path: str
+    kind: str
+    stack: tuple[int, ...]
+    module: flax_nnx.Module
+    call: tuple[str, str] | None = None
+
+
+def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
+    """Every GEMM a policy can govern in an NNX model: its Linear/LinearGeneral/Einsum
+    layers, the calls of :func:`~fp4lab.flax.nnx.register_layer` types and, when the policy
+    has op rules, every ``jnp.einsum`` / ``lax.dot_general`` call inside its modules (found
+    by tracing ``model(*inputs, **call_kwargs)`` abstractly)."""
     modules = {"/".join(map(str, p)): m for p, m in flax_nnx.iter_modules(model)}
-    ops: dict[str, dict] = {}
-    assignments = []
+    gemms = [_Gemm(path, _nnx.HOOKS[type(m)][0], _nnx.layer_stack(m), m)
+             for path, m in modules.items() if type(m) in _nnx.HOOKS]
+    registered = any(type(m) in _nnx.LAYER_CALLS for m in modules.values())
+    if not (policy.governs_ops or registered):
+        return gemms
+    if not inputs and not call_kwargs:
+        what = ", ".join(repr(r.label()) for r in policy.rules if r.kind in OP_KINDS)
+        what = f"rules {what}" if what else "layers of registered types"
+        raise ValueError(f"policy {policy.name} quantizes calls inside modules ({what}): an "
+                         "NNX model needs example inputs to find them, "
+                         "quantize_model(model, policy, x)")
     for mpath, name, kind, stack in _nnx.find_op_calls(model, inputs, call_kwargs):
-        path = f"{mpath}/{name}" if mpath else name
-        a = policy.assign_op(path, kind, num_blocks)
-        if a is not None:
-            assignments.append(a)
-            op = gemm(_nnx.QuantOp, path, a.recipe, kind, path)
-            ops.setdefault(mpath, {})[name] = _nnx.stacked(op, stack)
-    for mpath, calls in ops.items():
-        setattr(modules[mpath], OPS_ATTR, flax_nnx.data(calls))
-    _nnx.intercept_ops(model)
-    return assignments
+        module = modules[mpath]
+        layer = _nnx.LAYER_CALLS.get(type(module)) if kind == "lax.dot_general" else None
+        if layer is not None:
+            path = mpath if name == "dot_general_0" else f"{mpath}/{name}"
+            gemms.append(_Gemm(path, layer, stack, module, (name, kind)))
+        elif policy.governs_ops:
+            gemms.append(_Gemm(f"{mpath}/{name}" if mpath else name, kind, stack, module,
+                               (name, kind)))
+    return gemms
+
+
+def _num_blocks(policy: PrecisionPolicy, gemms: list[_Gemm]) -> int | None:
+    """One more than the largest block index in the layers' paths, or the number of blocks
+    stacked for a scan, whichever is larger."""
+    found = policy.infer_num_blocks(g.path for g in gemms if g.kind not in OP_KINDS) or 0
+    return max([found] + [math.prod(g.stack) for g in gemms if g.stack]) or None
+
+
+def _assign(policy: PrecisionPolicy, g: _Gemm, num_blocks: int | None):
+    """``g``'s assignment (``None``: a call no op rule quantizes); blocks stacked for a scan
+    get one recipe or are refused (:meth:`~fp4lab.policy.PrecisionPolicy.assign_stacked`)."""
+    if g.stack and policy.block_of(g.path) is None:
+        return policy.assign_stacked(g.path, g.kind, num_blocks, g.stack)
+    if g.kind in OP_KINDS:
+        return policy.assign_op(g.path, g.kind, num_blocks)
+    return policy.assign(g.path, g.kind, num_blocks)

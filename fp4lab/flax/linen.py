@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp4lab.delayed import init_history
-from fp4lab.flax.ops import NONE_FOUND, CallCounter, OpCalls, quantized_call
+from fp4lab.flax.ops import NONE_FOUND, CallCounter, OpCalls, quantized_call, runs_as_written
 from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
 from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
@@ -227,6 +227,8 @@ class QuantizedLinen:
             if a is None:
                 return original(*args, **kwargs)
             met[op_path] = a
+            if runs_as_written(a.recipe, kind, args):
+                return original(*args, **kwargs)
             return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
                                  kwargs)
 

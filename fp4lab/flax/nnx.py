@@ -18,14 +18,14 @@ import numpy as np
 from flax import nnx
 
 from fp4lab.delayed import init_history, update
-from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call
+from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call, runs_as_written
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
-           "QLinearGeneral", "QEinsum",
-           "HOOKS", "KINDS", "AmaxHistory", "update_amax_history", "find_op_calls",
-           "intercept_ops", "release_ops", "layer_stack", "stacked", "OPS_ATTR"]
+           "QLinearGeneral", "QEinsum", "HOOKS", "KINDS", "LAYER_CALLS", "AmaxHistory",
+           "update_amax_history", "find_op_calls", "intercept_ops", "release_ops",
+           "register_layer", "layer_stack", "stacked", "OPS_ATTR"]
 
 
 class AmaxHistory(nnx.Variable):
@@ -102,14 +102,16 @@ class QuantEinsum(_QuantizedGemm):
 
 class QuantOp(_QuantizedGemm):
     """The quantized form of one intercepted ``jnp.einsum`` / ``lax.dot_general`` call
-    (``kind``) at ``path``, kept in its module's ``fp4lab_ops`` dict under the call's name."""
+    (``call``), kept in its module's ``fp4lab_ops`` dict under the call's name: the GEMM at
+    ``path`` of ``kind`` (the op kind, or the layer kind of a :func:`register_layer` type)."""
 
-    def __init__(self, recipe: str | Recipe, kind: str, path: str, **kwargs):
+    def __init__(self, recipe: str | Recipe, kind: str, path: str, call: str | None = None,
+                 **kwargs):
         super().__init__(recipe, **kwargs)
-        self.kind, self.path = kind, path
+        self.kind, self.path, self.call = kind, path, call or kind
 
     def __call__(self, args, kwargs):
-        return quantized_call(self.path, self.kind, self.recipe, args, kwargs, key=self._key(),
+        return quantized_call(self.path, self.call, self.recipe, args, kwargs, key=self._key(),
                               amax_history=self._history(), backend=self.backend)
 
 
@@ -148,6 +150,23 @@ HOOKS = {nnx.Linear: ("linear", "dot_general", QuantDot),
 # every layer type a policy governs (fp4lab's own layers included) -> kind
 KINDS = {QLinear: "linear", QLinearGeneral: "lineargeneral", QEinsum: "einsum",
          **{cls: v[0] for cls, v in HOOKS.items()}}
+# module types whose lax.dot_general call is their layer's GEMM (register_layer) -> kind
+LAYER_CALLS: dict[type, str] = {}
+
+
+def register_layer(cls: type, kind: str) -> None:
+    """Govern the modules of ``cls`` (an NNX layer of another library, such as MaxText's
+    ``DenseGeneral``, that computes its GEMM with one ``jax.lax.dot_general`` call) as
+    layers of ``kind``: layer rules and the policy's default apply to the call, named by the
+    module's path."""
+    from fp4lab.policy import LAYER_KINDS, OP_KINDS
+
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+        raise TypeError(f"register_layer takes an nnx.Module class, not {cls!r}")
+    if kind not in LAYER_KINDS or kind in OP_KINDS:
+        raise ValueError(f"register_layer: kind={kind!r} is not a layer kind; use one of "
+                         f"{', '.join(k for k in LAYER_KINDS if k not in OP_KINDS)}")
+    LAYER_CALLS[cls] = kind
 
 
 
@@ -184,7 +203,9 @@ def _handler(record=None):
             record(m, name, kind)
             return original(*args, **kwargs)
         q = getattr(m, OPS_ATTR, {}).get(name)
-        return original(*args, **kwargs) if q is None else q(args, kwargs)
+        if q is None or runs_as_written(q.recipe, q.call, args):
+            return original(*args, **kwargs)
+        return q(args, kwargs)
 
     return op
 

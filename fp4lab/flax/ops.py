@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe
 
-__all__ = ["OpCalls", "CallCounter", "quantized_call", "NONE_FOUND"]
+__all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
@@ -88,6 +88,18 @@ class CallCounter:
         n = self.counts.get((owner, short), 0)
         self.counts[(owner, short)] = n + 1
         return f"{short}_{n}"
+
+
+def runs_as_written(recipe: Recipe, kind: str, args) -> bool:
+    """True when ``recipe`` changes nothing of this call: every operand a plain cast to the
+    dtype both operands already have (no rounding, transform, stored copy or history). The
+    call then runs as the model wrote it, gradients included: an ``all:bf16`` policy on a
+    model computing in BF16 is that model, bit for bit (MaxText's unquantized losses)."""
+    if not recipe.is_identity or recipe.needs_key or recipe.delayed is not None:
+        return False
+    operands = args[1:3] if kind == "jnp.einsum" else args[:2]
+    dtypes = {jnp.dtype(o.format.element.storage) for o in recipe.operands.values()}
+    return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes for a in operands)
 
 
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key=None,

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fp4lab.flax import quantize_model
+from fp4lab.flax import explain, linear_layers, quantize_model
+from fp4lab.flax.nnx import LAYER_CALLS, register_layer
+from fp4lab.policy import Depth, PrecisionPolicy, Rule, nemotron3
 from fp4lab.qdot import qdot_general
 
 L, D = 3, 32
@@ -122,3 +124,66 @@ def test_sr_streams_advance_when_the_host_drops_rng_state():
     np.testing.assert_array_equal(r1, second)
     keys = np.asarray(m.blocks.down.dot_general.sr_key[...])
     assert len({tuple(k) for k in keys}) == L  # one stream per block
+
+
+class WithHead(HostScanned):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.head = nnx.Linear(D, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(super().__call__(x))
+
+
+def test_stacked_blocks_are_blocks_and_depth_rules_cannot_split_them():
+    """Stacked layers have no block index in their path (``blocks/up``): they are the
+    model's blocks, not layers outside them, and a depth rule that would give the stacked
+    blocks different recipes is refused rather than applied to all."""
+    m = quantize_model(WithHead(nnx.Rngs(0)), nemotron3(bf16_tail=0))
+    assert m.blocks.up.dot_general.recipe.name == "nvfp4"  # in the blocks, not outside
+    assert m.head.dot_general.recipe.name == "bf16"  # outside them
+    with pytest.raises(ValueError, match=r"blocks/(up|down) is 3 blocks stacked for a scan.*"
+                                         r"0: nvfp4, 1: nvfp4, 2: bf16.*scan_layers=False"):
+        quantize_model(WithHead(nnx.Rngs(0)), "nemotron3")
+
+
+class Projection(nnx.Module):
+    """Another library's layer: its own kernel and one lax.dot_general (as MaxText's
+    DenseGeneral)."""
+
+    def __init__(self, rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (D, D)) / D ** 0.5)
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.kernel[...], DIMS)
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Projection(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x
+
+
+def test_a_registered_layer_type_is_governed_as_a_layer():
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    register_layer(Projection, "densegeneral")
+    try:
+        policy = PrecisionPolicy(rules=(Rule(recipe="mxfp8", kind="densegeneral",
+                                             depth=Depth(last=1)),), default="nvfp4_no_sr")
+        m = quantize_model(Net(nnx.Rngs(0)), policy, x)
+        assert linear_layers(m) == [("layers/0", "densegeneral"), ("layers/1", "densegeneral")]
+        assert [a.recipe.name for a in explain(policy, m)] == ["nvfp4_no_sr", "mxfp8"]
+        w0, w1 = (l.kernel[...] for l in m.layers)
+        want = jax.nn.relu(qdot_general(jax.nn.relu(qdot_general(x, w0, DIMS, "nvfp4_no_sr")),
+                                        w1, DIMS, "mxfp8"))
+        np.testing.assert_array_equal(np.asarray(m(x)), np.asarray(want))
+        with pytest.raises(ValueError, match="example inputs"):
+            quantize_model(Net(nnx.Rngs(0)), "all:nvfp4")
+        with pytest.raises(ValueError, match="not a layer kind"):
+            register_layer(Projection, "lax.dot_general")
+    finally:
+        LAYER_CALLS.pop(Projection, None)
