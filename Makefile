@@ -13,6 +13,9 @@ BENCH  := $(VENV)/.installed-bench
 # the inference engines' own code (torch, transformers, compressed-tensors), which checks the
 # exported checkpoints: a separate environment (scripts/consumer-venv says why)
 CONSUMERS ?= .venv-consumers
+# MaxText's own trainer with its CPU imports, where fp4lab policies run inside it
+# (scripts/maxtext-venv; tests/fp4lab/test_maxtext.py)
+MAXTEXT ?= .venv-maxtext
 
 .PHONY: sweep demo test bench clean venv
 venv: $(BASE)
@@ -32,6 +35,9 @@ $(TEST): pyproject.toml $(PY)
 $(CONSUMERS)/.installed: scripts/consumer-venv
 	sh scripts/consumer-venv $(CONSUMERS)
 
+$(MAXTEXT)/.installed: scripts/maxtext-venv
+	sh scripts/maxtext-venv $(MAXTEXT)
+
 $(BENCH): pyproject.toml $(PY)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	@touch $(BENCH) $(BASE)
@@ -43,12 +49,14 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab formats
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
-test: $(TEST) $(CONSUMERS)/.installed
-	FP4LAB_CONSUMER_PYTHON=$(abspath $(CONSUMERS))/bin/python $(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+test: $(TEST) $(CONSUMERS)/.installed $(MAXTEXT)/.installed
+	FP4LAB_CONSUMER_PYTHON=$(abspath $(CONSUMERS))/bin/python \
+	FP4LAB_MAXTEXT_PYTHON=$(abspath $(MAXTEXT))/bin/python \
+	$(PY) -m pytest -q -n 2 --durations=25 $(PYTEST_ARGS)
 
 bench: $(BENCH)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) $(CONSUMERS) results .pytest_cache
+	rm -rf $(VENV) $(CONSUMERS) $(MAXTEXT) results .pytest_cache

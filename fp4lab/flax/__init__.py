@@ -36,6 +36,7 @@ module (one traced body), so a depth rule cannot give scanned blocks different r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Any, NamedTuple
@@ -50,12 +51,12 @@ from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
 from fp4lab.flax.ops import NONE_FOUND
 from fp4lab.flax.nnx import OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp
-from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, get_policy
+from fp4lab.policy import OP_KINDS, ExplainTable, PrecisionPolicy, check_unused, get_policy
 from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
-           "explain"]
+           "explain", "assignments"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:
@@ -168,8 +169,34 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     for module, calls in ops.values():
         setattr(module, OPS_ATTR, flax_nnx.data(calls))
     _nnx.intercept_ops(model)
-    check_unused(policy, assignments, strict=strict, stacklevel=2, none_found=NONE_FOUND)
+    unused = check_unused(policy, assignments, strict=strict, stacklevel=2,
+                          none_found=NONE_FOUND)
+    setattr(model, _RECORD, _Record(policy, tuple(assignments), tuple(unused)))
     return model
+
+
+_RECORD = "fp4lab_assignments"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """What quantize_model assigned (a static attribute of the model, as its graph is)."""
+    policy: PrecisionPolicy
+    rows: tuple
+    unused: tuple
+
+    def __repr__(self):
+        return f"<policy {self.policy.name}: {len(self.rows)} GEMMs; fp4lab.flax.assignments>"
+
+
+def assignments(model) -> ExplainTable:
+    """What :func:`quantize_model` gave each GEMM of an NNX model (path, kind, block or the
+    blocks stacked for a scan, recipe, rule), as it gave it: print it for a table."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        raise ValueError(f"{type(model).__name__} was not quantized by "
+                         "fp4lab.flax.quantize_model")
+    return ExplainTable(record.rows, record.policy, list(record.unused))
 
 
 class _Gemm(NamedTuple):

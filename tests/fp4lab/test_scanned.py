@@ -187,3 +187,17 @@ def test_a_registered_layer_type_is_governed_as_a_layer():
             register_layer(Projection, "lax.dot_general")
     finally:
         LAYER_CALLS.pop(Projection, None)
+
+
+def test_the_model_records_what_each_gemm_got():
+    from fp4lab.flax import assignments
+
+    m = quantize_model(WithHead(nnx.Rngs(0)), nemotron3(bf16_tail=0))
+    rows = {a.path: (a.stack, a.recipe.name) for a in assignments(m)}
+    assert rows == {"blocks/down": ((L,), "nvfp4"), "blocks/up": ((L,), "nvfp4"),
+                    "head": ((), "bf16")}
+    row = next(line.split() for line in str(assignments(m)).splitlines()
+               if line.startswith("blocks/up"))
+    assert row[:4] == ["blocks/up", "linear", f"0-{L - 1}", "nvfp4"]
+    with pytest.raises(ValueError, match="not quantized by"):
+        assignments(Block(nnx.Rngs(0)))

@@ -1,0 +1,170 @@
+"""MaxText's own trainer with an fp4lab precision policy.
+
+``python -m fp4lab.maxtext <maxtext>/configs/base.yml key=value ... fp4lab.policy=nemotron3``
+runs ``maxtext.trainers.pre_train.train`` as MaxText does, with every GEMM of its NNX model
+quantized as the policy says. fp4lab's keys (:data:`KEYS`) are taken out of the command line
+before MaxText parses its config (MaxText refuses keys it does not know). The policy is
+applied where MaxText applies its own qwix quantization (``quantizations.
+maybe_quantize_model``), to the model every part of MaxText builds: its trainer, its
+checkpoints, its abstract model for shardings. MaxText's ``DenseGeneral`` layers are governed
+as layers of kind ``densegeneral`` under their own paths (``decoder/layers/mlp/wi_0``,
+``decoder/logits_dense``); attention's products are ``jnp.einsum`` calls that op rules govern.
+
+MaxText is an optional dependency: ``import fp4lab`` never imports this module, and this
+module imports MaxText only when it runs (``pip install maxtext==0.2.5`` and its CPU
+imports: ``sh scripts/maxtext-venv`` builds that environment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from fp4lab.policy import PrecisionPolicy, get_policy
+
+__all__ = ["KEYS", "Options", "split_args", "install", "quantize", "main"]
+
+INSTALL = "sh scripts/maxtext-venv (or: pip install maxtext==0.2.5 and its CPU imports)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """fp4lab's keys on MaxText's command line (``fp4lab.<name>=<value>``)."""
+
+    policy: str = "all:bf16"  # a preset, all:<recipe> or file:<policy.json>
+    seed: int = 0  # the stochastic-rounding streams' seed (with each GEMM's path)
+    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
+    strict: bool = True  # a rule that matches no GEMM is an error, not a warning
+
+
+KEYS = tuple(f"fp4lab.{f.name}" for f in dataclasses.fields(Options))
+
+
+def split_args(argv: list[str]) -> tuple[list[str], Options]:
+    """MaxText's command line without fp4lab's keys, and fp4lab's :class:`Options`."""
+    rest, given = [], {}
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not key.startswith("fp4lab."):
+            rest.append(arg)
+            continue
+        if not eq or key not in KEYS:
+            raise ValueError(f"{arg!r}: fp4lab's keys are {', '.join(k + '=...' for k in KEYS)}")
+        field = key.removeprefix("fp4lab.")
+        kind = {f.name: f.type for f in dataclasses.fields(Options)}[field]
+        given[field] = _parse(arg, value, kind)
+    options = Options(**given)
+    get_policy(options.policy)  # a bad policy fails now, before MaxText starts
+    return rest, options
+
+
+def _parse(arg: str, value: str, kind: str):
+    if kind == "int":
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{arg!r}: not an integer") from None
+    if kind == "bool":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{arg!r}: not true or false")
+        return value.lower() in ("true", "1")
+    return value
+
+
+def _maxtext():
+    """MaxText's modules, or a clear error naming the install command."""
+    try:
+        from maxtext.layers import linears, quantizations
+    except ImportError as e:
+        raise ImportError(f"fp4lab.maxtext needs MaxText ({e}); install it: {INSTALL}") from None
+    return linears, quantizations
+
+
+def quantize(model, config, options: Options):
+    """``model`` (MaxText's NNX ``Transformer``) with ``options.policy`` applied, traced once
+    on dummy inputs of the training shape, as MaxText's qwix path traces it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from fp4lab.flax import assignments, quantize_model
+
+    if not isinstance(model, nnx.Module):
+        raise ValueError("fp4lab.maxtext quantizes MaxText's NNX model; this MaxText built "
+                         f"a {type(model).__name__}")
+    if config.quantization:
+        raise ValueError(f"quantization={config.quantization!r} (MaxText's own quantization) "
+                         f"and fp4lab.policy={options.policy!r} would both quantize the "
+                         "GEMMs: drop one")
+    shape = (config.micro_batch_size_to_train_on, config.max_target_length)
+    tokens = jnp.ones(shape, jnp.int32)
+    kwargs = {"enable_dropout": False}
+    if config.mtp_num_layers > 0:  # the MTP block reads the targets
+        kwargs.update(decoder_target_tokens=tokens, decoder_target_mask=tokens)
+    policy: PrecisionPolicy = get_policy(options.policy)
+    model = quantize_model(model, policy, tokens, tokens, tokens, call_kwargs=kwargs,
+                           seed=options.seed, backend=options.backend, strict=options.strict)
+    nnx.pop(model, nnx.Intermediate)  # what the trace sowed (as MaxText does after qwix)
+    _log_once(str(assignments(model)))
+    return model
+
+
+_logged: set[str] = set()
+
+
+def _log_once(text: str) -> None:
+    """Print the assignment table once (MaxText builds the model several times)."""
+    if text not in _logged:
+        _logged.add(text)
+        print(f"fp4lab {text}", flush=True)
+
+
+def install(options: Options) -> None:
+    """Make MaxText apply ``options`` to every model it builds from now on (its
+    model-quantization seam; MaxText's own qwix quantization is refused alongside)."""
+    from fp4lab.flax.nnx import register_layer
+
+    linears, quantizations = _maxtext()
+    register_layer(linears.DenseGeneral, "densegeneral")
+    original = getattr(quantizations.maybe_quantize_model, "__wrapped__",
+                       quantizations.maybe_quantize_model)
+
+    def maybe_quantize_model(model, config):
+        return quantize(original(model, config), config, options)
+
+    maybe_quantize_model.__wrapped__ = original
+    quantizations.maybe_quantize_model = maybe_quantize_model
+
+
+def _config_path(arg: str) -> str:
+    """A config as given, or by name among MaxText's own (``base.yml``)."""
+    import os
+
+    if os.path.exists(arg) or not arg.endswith((".yml", ".yaml")):
+        return arg
+    import maxtext
+
+    bundled = os.path.join(os.path.dirname(maxtext.__file__), "configs", arg)
+    if not os.path.exists(bundled):
+        raise ValueError(f"config {arg!r} is neither a file nor one of MaxText's configs")
+    return bundled
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fp4lab.maxtext <base.yml> key=value ... fp4lab.policy=...``: MaxText's
+    pre-training trainer (``maxtext.trainers.pre_train.train``) under the policy."""
+    argv = sys.argv if argv is None else argv
+    try:
+        rest, options = split_args(argv[1:])
+        install(options)
+        if rest:
+            rest[0] = _config_path(rest[0])
+    except (ValueError, ImportError) as e:
+        sys.exit(f"error: {e}")
+    from absl import app
+    from maxtext.trainers.pre_train import train
+
+    app.run(train.main, argv=[argv[0], *rest])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""fp4lab policies inside MaxText's own trainer (``python -m fp4lab.maxtext``), run in
+MaxText's environment (``scripts/maxtext-venv``) on MaxText's tiny config: 2 decoder layers,
+d 64, synthetic data, on a 4-device CPU mesh (fsdp 2 x tensor 2)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fp4lab.maxtext import Options, split_args
+
+ROOT = Path(__file__).parents[2]
+TINY = ("base.yml hardware=cpu skip_jax_distributed_system=True dataset_type=synthetic "
+        "base_emb_dim=64 base_num_decoder_layers=2 base_mlp_dim=128 base_num_query_heads=2 "
+        "base_num_kv_heads=2 head_dim=32 vocab_size=256 max_target_length=64 "
+        "per_device_batch_size=1 ici_fsdp_parallelism=2 ici_tensor_parallelism=2 "
+        "enable_checkpointing=False learning_rate_schedule_steps=3").split()
+# (the schedule's length fixed: a run of 2 steps then resumed for a 3rd trains as one of 3)
+
+
+def test_fp4labs_keys_are_taken_out_of_maxtexts_command_line():
+    rest, options = split_args(["base.yml", "steps=3", "fp4lab.policy=nemotron3",
+                                "fp4lab.seed=7", "fp4lab.strict=false"])
+    assert rest == ["base.yml", "steps=3"]
+    assert options == Options(policy="nemotron3", seed=7, strict=False)
+    for bad, says in [("fp4lab.policy=nvfp5", "unknown policy 'nvfp5'"),
+                      ("fp4lab.seeds=1", "fp4lab's keys are"),
+                      ("fp4lab.seed=x", "not an integer"), ("fp4lab.policy", "fp4lab's keys")]:
+        with pytest.raises(ValueError, match=says):
+            split_args(["base.yml", bad])
+
+
+@pytest.fixture(scope="module")
+def maxtext_python():
+    py = Path(os.environ.get("FP4LAB_MAXTEXT_PYTHON", ROOT / ".venv-maxtext/bin/python"))
+    if not py.exists():
+        message = (f"no MaxText Python at {py}: `make test` builds it (sh "
+                   "scripts/maxtext-venv), or set FP4LAB_MAXTEXT_PYTHON")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return py
+
+
+def _env(devices: int, **extra: str) -> dict:
+    return {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+
+
+def train(python, out: Path, name: str, *args: str, module="fp4lab.maxtext", devices=4,
+          check=True) -> subprocess.CompletedProcess:
+    """One run of MaxText's trainer; its metrics in ``out/<name>.jsonl``."""
+    cmd = [str(python), "-m", module, *TINY, f"base_output_directory={out}",
+           f"run_name={name}", f"metrics_file={out / name}.jsonl", *args]
+    if module != "fp4lab.maxtext":
+        cmd[3] = _base_yml(python)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out,
+                         env=_env(devices))
+    if check and run.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n"
+                             f"{run.stderr[-6000:]}")
+    return run
+
+
+def _base_yml(python) -> str:
+    return subprocess.run([str(python), "-c", "import maxtext, os; print(os.path.join("
+                           "os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def table(stdout: str) -> dict[str, tuple[str, str]]:
+    """The assignment table fp4lab.maxtext prints: layer -> (block, recipe)."""
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("decoder/")]
+    return {row[0]: (row[2], row[3]) for row in rows}
+
+
+def losses(out: Path, name: str) -> list[float]:
+    lines = (out / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line)["learning/loss"] for line in lines if line.strip()]
+
+
+@pytest.mark.slow
+def test_all_bf16_is_maxtexts_unquantized_model_and_nvfp4_trains(maxtext_python, tmp_path):
+    """fp4lab's all:bf16 on MaxText's BF16 model gives MaxText's own losses bit for bit;
+    NVFP4 on every GEMM trains, its losses within a few percent of them."""
+    train(maxtext_python, tmp_path, "maxtext", "steps=3",
+          module="maxtext.trainers.pre_train.train")
+    train(maxtext_python, tmp_path, "bf16", "steps=3", "fp4lab.policy=all:bf16")
+    base = losses(tmp_path, "maxtext")
+    assert losses(tmp_path, "bf16") == base and len(base) == 3
+    run = train(maxtext_python, tmp_path, "nvfp4", "steps=3", "fp4lab.policy=all:nvfp4")
+    assert table(run.stdout)["decoder/layers/mlp/wo"] == ("0-1", "nvfp4")  # stacked blocks
+    nvfp4 = losses(tmp_path, "nvfp4")
+    assert nvfp4 != base and np.all(np.isfinite(nvfp4))
+    np.testing.assert_allclose(nvfp4, base, rtol=0.03)
+
+
+@pytest.mark.slow
+def test_nemotron3_keeps_its_bf16_layers_in_maxtext(maxtext_python, tmp_path):
+    """The preset means in MaxText what it means on the hybrid LM: attention projections,
+    the last 15 % of the blocks and the logits layer in BF16. Its depth rule needs unstacked
+    layers; on scanned ones it is refused, naming scan_layers=False."""
+    run = train(maxtext_python, tmp_path, "nemotron3", "steps=2", "scan_layers=False",
+                "fp4lab.policy=nemotron3")
+    recipes = {path: recipe for path, (_, recipe) in table(run.stdout).items()}
+    assert recipes["decoder/layers_0/mlp/wo"] == "nvfp4"
+    assert recipes["decoder/layers_0/self_attention/query"] == "bf16"
+    assert recipes["decoder/layers_1/mlp/wo"] == "bf16"  # the last 15 % of 2 blocks
+    assert recipes["decoder/logits_dense"] == "bf16"
+    assert np.all(np.isfinite(losses(tmp_path, "nemotron3")))
+    refused = train(maxtext_python, tmp_path, "scanned", "steps=1", "fp4lab.policy=nemotron3",
+                    check=False)
+    assert refused.returncode != 0
+    assert "blocks stacked for a scan" in refused.stderr and "scan_layers=False" in \
+        refused.stderr
+
+
+COUNTS = """
+import sys, numpy as np, orbax.checkpoint as ocp
+state = ocp.PyTreeCheckpointer().restore(sys.argv[1])
+decoder = state["nnx_aux"]["model"]["decoder"]
+wo = decoder["layers"]["mlp"]["wo"]["fp4lab_ops"]["dot_general_0"]
+print(np.asarray(wo["sr_count"]).tolist(), len({tuple(k) for k in np.asarray(wo["sr_key"])}))
+"""
+
+
+@pytest.mark.slow
+def test_sr_streams_advance_and_a_resumed_run_continues_bit_exactly(maxtext_python, tmp_path):
+    """MaxText's checkpoints hold fp4lab's SR streams (a counter per stacked block, which
+    advances each step although MaxText's scan writes back no RNG state), and a run resumed
+    from one continues as the uninterrupted run does, bit for bit."""
+    nvfp4 = ("fp4lab.policy=all:nvfp4", "fp4lab.seed=3")
+    train(maxtext_python, tmp_path, "whole", "steps=3", *nvfp4)
+    saving = ("enable_checkpointing=True", "async_checkpointing=False", "checkpoint_period=1")
+    train(maxtext_python, tmp_path, "parts", "steps=2", *saving, *nvfp4)
+    train(maxtext_python, tmp_path, "parts", "steps=3", *saving, *nvfp4)  # resumes
+    whole, parts = losses(tmp_path, "whole"), losses(tmp_path, "parts")
+    assert parts[-1] == whole[-1] and parts[:2] == whole[:2]
+    counts = []
+    for step in (0, 1):
+        items = tmp_path / "parts" / "checkpoints" / str(step) / "items"
+        got = subprocess.run([str(maxtext_python), "-c", COUNTS, str(items)],
+                             capture_output=True, text=True, check=True,
+                             env=_env(4))
+        counts.append(got.stdout.split("\n")[-2])
+    assert counts == ["[1, 1] 2", "[2, 2] 2"]  # one draw a step, one stream per block
+
+
+@pytest.mark.slow
+def test_two_processes_through_maxtexts_distributed_initialization(maxtext_python, tmp_path):
+    """Two JAX processes of two CPU devices each (gloo collectives), initialized by MaxText
+    itself, train one NVFP4 step: the loss of the one-process 4-device run."""
+    train(maxtext_python, tmp_path, "one", "steps=1", "fp4lab.policy=all:nvfp4")
+    cmd = [str(maxtext_python), "-m", "fp4lab.maxtext",
+           *[a.replace("skip_jax_distributed_system=True", "skip_jax_distributed_system=False")
+             for a in TINY], f"base_output_directory={tmp_path}", "run_name=two", "steps=1",
+           "fp4lab.policy=all:nvfp4", f"metrics_file={tmp_path}/two.jsonl"]
+    logs = [tmp_path / f"two{i}.log" for i in range(2)]  # files: a full pipe would block
+    procs = [subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+                              env=_env(2, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                                       JAX_COORDINATOR_ADDRESS="127.0.0.1", JOB_INDEX="0",
+                                       JOB_COMPLETION_INDEX=str(i), PROCESSES_IN_JOB="2",
+                                       JAX_PROCESS_COUNT="2"))
+             for i, log in enumerate(logs)]
+    for p in procs:
+        p.wait(timeout=900)
+    logs = [log.read_text() for log in logs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    assert all("Jax process id is" in log for log in logs)
+    assert losses(tmp_path, "two") == losses(tmp_path, "one")
+
+
+def test_a_missing_maxtext_is_one_line_naming_the_install(tmp_path):
+    """In an environment without MaxText (this one), the command says how to install it."""
+    if importlib.util.find_spec("maxtext") is not None:
+        pytest.skip("this environment has MaxText")
+    run = subprocess.run([sys.executable, "-m", "fp4lab.maxtext", "base.yml", "steps=1"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("error: fp4lab.maxtext needs MaxText")
+    assert "scripts/maxtext-venv" in run.stderr
