@@ -104,7 +104,15 @@ def quantize(model, config, options: Options):
     model = quantize_model(model, policy, tokens, tokens, tokens, call_kwargs=kwargs,
                            seed=options.seed, backend=options.backend, strict=options.strict)
     nnx.pop(model, nnx.Intermediate)  # what the trace sowed (as MaxText does after qwix)
-    _log_once(str(assignments(model)))
+    table = assignments(model)
+    delayed = sorted({a.recipe.name for a in table if a.recipe.delayed is not None})
+    if delayed:
+        raise ValueError(f"fp4lab.policy={options.policy!r} gives GEMMs {', '.join(delayed)} "
+                         "(delayed scaling): its amax histories roll from their gradient, "
+                         "which MaxText's train step does not compute (it differentiates only "
+                         "parameters; its _overwrite_with_gradient state is overwritten, not "
+                         "rolled); use a current-scaling recipe such as fp8_hybrid")
+    _log_once(str(table))
     return model
 
 

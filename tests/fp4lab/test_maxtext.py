@@ -8,11 +8,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from fp4lab.maxtext import Options, split_args
+from fp4lab.flax import assignments
+from fp4lab.maxtext import Options, quantize, split_args
 
 ROOT = Path(__file__).parents[2]
 TINY = ("base.yml hardware=cpu skip_jax_distributed_system=True dataset_type=synthetic "
@@ -184,3 +188,30 @@ def test_a_missing_maxtext_is_one_line_naming_the_install(tmp_path):
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1].startswith("error: fp4lab.maxtext needs MaxText")
     assert "scripts/maxtext-venv" in run.stderr
+
+
+class TinyLM(nnx.Module):  # MaxText's Transformer's call signature, on two NNX layers
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(256, 32, rngs=rngs)
+        self.mlp = nnx.Linear(32, 32, rngs=rngs)
+        self.head = nnx.Linear(32, 256, rngs=rngs)
+
+    def __call__(self, tokens, positions, segment_ids, enable_dropout=True):
+        return self.head(jax.nn.relu(self.mlp(self.embed(tokens))))
+
+
+def config(**kw):
+    return SimpleNamespace(**{"quantization": "", "micro_batch_size_to_train_on": 2,
+                              "max_target_length": 8, "mtp_num_layers": 0, **kw})
+
+
+def test_what_maxtexts_train_step_cannot_serve_is_refused():
+    """Delayed scaling rolls each amax history from its gradient, which MaxText's step never
+    computes for state other than parameters: refused, not run with frozen histories; and
+    MaxText's own quantization alongside a policy is refused too."""
+    with pytest.raises(ValueError, match="fp8_delayed \\(delayed scaling\\).*fp8_hybrid"):
+        quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:fp8_delayed"))
+    with pytest.raises(ValueError, match="quantization='int8'.*would both quantize"):
+        quantize(TinyLM(nnx.Rngs(0)), config(quantization="int8"), Options(policy="all:nvfp4"))
+    m = quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:nvfp4"))
+    assert [a.recipe.name for a in assignments(m)] == ["nvfp4", "nvfp4"]
