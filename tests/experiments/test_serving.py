@@ -10,13 +10,13 @@ the QAT recipes' forward does (``bf16_x_fp32_w``).
 """
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from environments import CONSUMERS, python_of
 
 from experiments.export import export_run, validation_loss, with_weights
 from experiments.rollout import load_run
@@ -78,9 +78,7 @@ def test_the_same_model_served_by_transformers_and_compressed_tensors(
     NVFP4's weights differ from fp4lab's by at most an ulp (compressed-tensors' order of the
     scale products, test_export_consumers.py), and so does the loss, to 1e-6."""
     root = Path(__file__).parents[2]
-    py = Path(os.environ.get("FP4LAB_CONSUMER_PYTHON", root / ".venv-consumers/bin/python"))
-    if not py.exists():
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no consumers' Python at {py}")
+    py = python_of(CONSUMERS)
     config, params, data = load_run(qat_run)
     ref = validation_loss(config, params, data, f"all:{recipe}", dtype=jnp.float32)
     export.export({"params": params}, recipe, tmp_path / layout, layout,

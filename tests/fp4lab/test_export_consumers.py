@@ -10,7 +10,6 @@ rounding boundary of the scale and element arithmetic), their non-finite values 
 layouts refuse, test_export.py) set to zero, and a Gaussian kernel.
 """
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from environments import CONSUMERS, python_of
 from adversarial import cases
 
 import fp4lab
@@ -30,14 +30,7 @@ GGML_SCRIPT = ROOT / "tests" / "consumers" / "ggml_quantize.py"
 
 @pytest.fixture(scope="module")
 def consumer_python():
-    py = Path(os.environ.get("FP4LAB_CONSUMER_PYTHON", ROOT / ".venv-consumers/bin/python"))
-    if not py.exists():
-        message = (f"no consumers' Python at {py}: `make test` builds it (sh "
-                   "scripts/consumer-venv), or set FP4LAB_CONSUMER_PYTHON")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return py
+    return python_of(CONSUMERS)
 
 
 def _consume(python, layout, checkpoint, tmp_path) -> dict[str, np.ndarray]:

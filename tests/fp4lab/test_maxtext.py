@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from environments import MAXTEXT, python_of
 from flax import nnx
 
 from fp4lab.flax import assignments
 from fp4lab.maxtext import Options, quantize, split_args
 
-ROOT = Path(__file__).parents[2]
 TINY = ("base.yml hardware=cpu skip_jax_distributed_system=True dataset_type=synthetic "
         "base_emb_dim=64 base_num_decoder_layers=2 base_mlp_dim=128 base_num_query_heads=2 "
         "base_num_kv_heads=2 head_dim=32 vocab_size=256 max_target_length=64 "
@@ -41,14 +41,7 @@ def test_fp4labs_keys_are_taken_out_of_maxtexts_command_line():
 
 @pytest.fixture(scope="module")
 def maxtext_python():
-    py = Path(os.environ.get("FP4LAB_MAXTEXT_PYTHON", ROOT / ".venv-maxtext/bin/python"))
-    if not py.exists():
-        message = (f"no MaxText Python at {py}: `make test` builds it (sh "
-                   "scripts/maxtext-venv), or set FP4LAB_MAXTEXT_PYTHON")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return py
+    return python_of(MAXTEXT)
 
 
 def _env(devices: int, **extra: str) -> dict:

@@ -1,0 +1,24 @@
+"""The side environments ``make test`` builds, whose own code checks fp4lab: the inference
+engines' (``.venv-consumers``, scripts/consumer-venv) and MaxText's (``.venv-maxtext``,
+scripts/maxtext-venv)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+CONSUMERS = ("FP4LAB_CONSUMER_PYTHON", ".venv-consumers", "scripts/consumer-venv")
+MAXTEXT = ("FP4LAB_MAXTEXT_PYTHON", ".venv-maxtext", "scripts/maxtext-venv")
+
+
+def python_of(environment: tuple[str, str, str]) -> Path:
+    """The environment's Python: ``$variable``, else its folder in the checkout. Missing, it
+    fails the test under CI and skips it elsewhere, naming the script that builds it."""
+    variable, folder, script = environment
+    py = Path(os.environ.get(variable, ROOT / folder / "bin" / "python"))
+    if not py.exists():
+        message = (f"no Python at {py}: `make test` builds it (sh {script}), or set "
+                   f"{variable}")
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    return py
