@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.core import lift
+from flax.core.scope import in_filter
 
 from fp4lab.delayed import init_history
 from fp4lab.flax.ops import NONE_FOUND, CallCounter, OpCalls, quantized_call, runs_as_written
@@ -26,16 +29,69 @@ from fp4lab.recipe import Recipe, get_recipe
 __all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers", "KINDS"]
 
 
+def _module_stack() -> list:
+    """The Linen modules whose methods are running, outermost first."""
+    from flax.linen.module import _context
+
+    return [m for m in _context.module_stack if m is not None]
+
+
+def _quant_broadcast_by(module: nn.Module) -> str | None:
+    """``"nn.scan"`` or ``"nn.vmap"`` if ``module`` is a Linen scan or vmap of a module class
+    whose ``split_rngs`` broadcasts the "quant" rng (read off the lifted ``__call__``'s
+    closure, where Flax keeps the transform and its arguments)."""
+    call = getattr(type(module), "__call__", None)
+    names = getattr(getattr(call, "__code__", None), "co_freevars", ())
+    lifted = ("transform", "trafo_args", "trafo_kwargs")
+    if not set(lifted) <= set(names):
+        return None
+    cells = {n: c.cell_contents for n, c in zip(names, call.__closure__) if n in lifted}
+    transform = cells["transform"]
+    if transform not in (lift.scan, lift.vmap):
+        return None
+    split_rngs = inspect.signature(transform).bind_partial(
+        None, *cells["trafo_args"], **cells["trafo_kwargs"]).arguments.get("split_rngs", {})
+    split = next((split for f, split in split_rngs.items() if in_filter(f, "quant")), None)
+    return f"nn.{transform.__name__}" if split is False else None
+
+
+def _broadcast_around(module: nn.Module) -> str | None:
+    """The Linen scan or vmap around the running ``module`` that broadcasts the "quant" rng
+    (``"nn.scan at blocks"``), if any. Flax runs a lifted module's body without putting the
+    lifted module on the module stack: it is the child, on the way to ``module``, of a module
+    on the stack."""
+    path = module.scope.path
+    for m in _module_stack():
+        outer = m.scope.path
+        if len(outer) < len(path) and path[:len(outer)] == outer:
+            child = m._state.children.get(path[len(outer)])
+            lifted = isinstance(child, nn.Module) and _quant_broadcast_by(child)
+            if lifted:
+                return f"{lifted} at {'/'.join(path[:len(outer) + 1])}"
+    return None
+
 
 def _linen_key(module: nn.Module, recipe: Recipe):
+    """The layer's stochastic-rounding key (None if its recipe has no SR), from its "quant" rng."""
     if not recipe.needs_key:
         return None
-    if not module.has_rng("quant"):
-        if module.is_initializing():  # init's outputs only fix shapes; any key will do
-            return jax.random.key(0)
-        raise ValueError(f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
-                         "stochastic rounding: pass rngs={'quant': key} to apply")
-    return module.make_rng("quant")
+    where = (f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
+             "stochastic rounding")
+    if module.has_rng("quant"):
+        lifted = _broadcast_around(module)
+        if lifted is not None:
+            raise ValueError(f"{where}, but {lifted} gives every iteration the same 'quant' "
+                             "rng (correlated rounding noise across iterations): pass "
+                             "split_rngs={..., 'quant': True}")
+        return module.make_rng("quant")
+    if module.is_initializing():  # init's outputs only fix shapes; any key will do
+        return jax.random.key(0)
+    if any(m.scope is not None and m.scope.has_rng("quant") for m in _module_stack()):
+        raise ValueError(f"{where}, but the 'quant' rng given to apply does not reach it: a "
+                         "Linen transform around it (nn.scan, nn.vmap) passes only the rngs "
+                         "its split_rngs names; add split_rngs={..., 'quant': True} so that "
+                         "each scanned block draws its own keys")
+    raise ValueError(f"{where}: pass rngs={{'quant': key}} to apply")
 
 
 def _linen_probe(module: nn.Module, name: str = "gemm"):
@@ -187,7 +243,9 @@ class QuantizedLinen:
 
     The first ``apply`` checks the policy against the layers it met: a required rule that
     matched none of them is a :class:`~fp4lab.policy.PolicyWarning` (an error with
-    ``strict=True``, at every apply until fixed)."""
+    ``strict=True``, at every apply until fixed). Stochastic rounding draws its keys from the
+    ``quant`` rng (``apply(..., rngs={"quant": key})``); an ``nn.scan`` over blocks must split
+    it (``split_rngs={..., "quant": True}``), and one that does not is refused."""
 
     model: nn.Module
     policy: PrecisionPolicy
