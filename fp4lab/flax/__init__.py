@@ -18,7 +18,10 @@ model, leaving its parameters (objects, names, values) untouched, so checkpoints
 
 Rules of an op kind (``jnp.einsum``, ``lax.dot_general``) quantize the calls made inside
 modules (attention's products, custom code; :mod:`fp4lab.flax.ops`): Linen finds them at every
-``apply``, NNX from example inputs given to ``quantize_model``.
+``apply``, NNX from example inputs given to ``quantize_model``. Another library's NNX layer
+that computes with one ``lax.dot_general`` (MaxText's ``DenseGeneral``) is governed as a layer
+once its class is registered (:func:`fp4lab.flax.nnx.register_layer`). :func:`assignments`
+reads back what each GEMM of a quantized NNX model got.
 
 Layers that are already fp4lab layers keep their own recipe. Layer kinds for policy rules are
 the Flax class names in lower case: ``dense``, ``densegeneral``, ``einsum`` (Linen);
@@ -31,7 +34,9 @@ stream if present) or from ``quantize_model``'s ``seed`` and the layer's path. E
 every call gets its own key.
 
 Depth rules need a block index in the path: under ``nn.scan`` over layers all blocks share one
-module (one traced body), so a depth rule cannot give scanned blocks different recipes.
+module (one traced body), so a depth rule cannot give scanned blocks different recipes. NNX
+layers stacked for a scan (on any axis: ``param_scan_axis`` metadata, else the leading ones)
+are the model's blocks; a depth rule that would split them is refused.
 """
 
 from __future__ import annotations
