@@ -22,7 +22,8 @@ import sys
 
 from fp4lab.policy import PrecisionPolicy, get_policy
 
-__all__ = ["KEYS", "Options", "split_args", "install", "quantize", "main"]
+__all__ = ["KEYS", "Options", "split_args", "install", "quantize", "main", "probe_metrics",
+           "probe_scalars"]
 
 INSTALL = "sh scripts/maxtext-venv (or: pip install maxtext==0.2.5 and its CPU imports)"
 
@@ -35,6 +36,7 @@ class Options:
     seed: int = 0  # the stochastic-rounding streams' seed (with each GEMM's path)
     backend: str = "auto"  # fp4lab.backend: which implementation quantizes
     strict: bool = True  # a rule that matches no GEMM is an error, not a warning
+    probes: str = ""  # metrics of every quantized GEMM operand, each step: "all" or names
 
 
 KEYS = tuple(f"fp4lab.{f.name}" for f in dataclasses.fields(Options))
@@ -55,7 +57,48 @@ def split_args(argv: list[str]) -> tuple[list[str], Options]:
         given[field] = _parse(arg, value, kind)
     options = Options(**given)
     get_policy(options.policy)  # a bad policy fails now, before MaxText starts
+    probe_metrics(options)
     return rest, options
+
+
+def probe_metrics(options: Options) -> tuple[str, ...]:
+    """The probe metrics ``fp4lab.probes`` asks for (``all``: every one of
+    :data:`fp4lab.metrics.METRIC_NAMES`; empty: no probes)."""
+    from fp4lab.metrics import METRIC_NAMES
+
+    if options.probes in ("", "all"):
+        return METRIC_NAMES if options.probes else ()
+    names = tuple(options.probes.split(","))
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown:
+        raise ValueError(f"fp4lab.probes={options.probes!r}: unknown metric {unknown[0]!r}; "
+                         f"give 'all' or some of {', '.join(METRIC_NAMES)}")
+    return names
+
+
+def probe_scalars(model, metrics: tuple[str, ...]) -> dict:
+    """MaxText scalar metrics ``fp4lab/<GEMM path>[<block>]/<operand>/<metric>`` from the
+    probes of a quantized model whose probes hold their last gradient (MaxText's train step
+    sets ``_overwrite_with_gradient`` variables so): every operand a recipe quantizes, except
+    those of identity recipes (a BF16 GEMM on BF16 operands runs as written: nothing to
+    measure). Traced values, inside the train step."""
+    import numpy as np
+
+    from fp4lab.flax.nnx import probe_rows
+    from fp4lab.metrics import METRIC_NAMES
+    from fp4lab.recipe import OPERANDS
+
+    out = {}
+    for name, (recipe, rows) in probe_rows(model).items():
+        if recipe.is_identity:
+            continue
+        for index in np.ndindex(rows.shape[:-2]):
+            where = f"{name}[{','.join(map(str, index))}]" if index else name
+            for op in recipe.quantized_operands:
+                for metric in metrics:
+                    out[f"fp4lab/{where}/{op}/{metric}"] = rows[index][
+                        OPERANDS.index(op), METRIC_NAMES.index(metric)]
+    return out
 
 
 def _parse(arg: str, value: str, kind: str):
@@ -100,9 +143,15 @@ def quantize(model, config, options: Options):
     kwargs = {"enable_dropout": False}
     if config.mtp_num_layers > 0:  # the MTP block reads the targets
         kwargs.update(decoder_target_tokens=tokens, decoder_target_mask=tokens)
+    if options.probes and config.gradient_accumulation_steps > 1:
+        raise ValueError(f"fp4lab.probes={options.probes!r} reads each step's probe "
+                         "gradients, which MaxText's train step computes only without "
+                         f"gradient accumulation (gradient_accumulation_steps="
+                         f"{config.gradient_accumulation_steps})")
     policy: PrecisionPolicy = get_policy(options.policy)
     model = quantize_model(model, policy, tokens, tokens, tokens, call_kwargs=kwargs,
-                           seed=options.seed, backend=options.backend, strict=options.strict)
+                           seed=options.seed, backend=options.backend, strict=options.strict,
+                           probes=bool(options.probes))
     nnx.pop(model, nnx.Intermediate)  # what the trace sowed (as MaxText does after qwix)
     table = assignments(model)
     delayed = sorted({a.recipe.name for a in table if a.recipe.delayed is not None})
@@ -141,6 +190,27 @@ def install(options: Options) -> None:
 
     maybe_quantize_model.__wrapped__ = original
     quantizations.maybe_quantize_model = maybe_quantize_model
+    if options.probes:
+        _log_probes(probe_metrics(options))
+
+
+def _log_probes(metrics: tuple[str, ...]) -> None:
+    """Make MaxText's pre-training step report the probes among its scalar metrics (its
+    TensorBoard and ``metrics_file``)."""
+    from flax import nnx
+    from maxtext.trainers.pre_train import train
+
+    original = getattr(train.train_step, "__wrapped__", train.train_step)
+
+    def train_step(model, config, state_mesh_shardings, params_shardings, state, *args,
+                   **kwargs):
+        state, out = original(model, config, state_mesh_shardings, params_shardings, state,
+                              *args, **kwargs)
+        out["scalar"].update(probe_scalars(nnx.merge(model, state).model, metrics))
+        return state, out
+
+    train_step.__wrapped__ = original
+    train.train_step = train_step
 
 
 def _config_path(arg: str) -> str:

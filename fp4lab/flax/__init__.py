@@ -55,13 +55,14 @@ from fp4lab.flax import linen as _linen
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
 from fp4lab.flax.ops import NONE_FOUND
-from fp4lab.flax.nnx import OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp
+from fp4lab.flax.nnx import (OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp,
+                             probe_records)
 from fp4lab.policy import OP_KINDS, ExplainTable, PrecisionPolicy, check_unused, get_policy
 from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
-           "explain", "assignments"]
+           "explain", "assignments", "probe_records"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:
@@ -104,7 +105,7 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
                    num_blocks: int | None = None, seed: int = 0,
                    rngs: flax_nnx.Rngs | None = None, backend: str = "auto",
                    strict: bool = False, block: str | None = None,
-                   call_kwargs: dict | None = None):
+                   call_kwargs: dict | None = None, probes: bool = False):
     """Apply ``policy`` to a model written without fp4lab (see module docstring).
 
     NNX: installs the quantized hook in every governed layer, in place, and returns the model;
@@ -115,6 +116,8 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``; SR keys come
     from ``apply``'s ``rngs={"quant": key}``).
     ``backend``: which implementation quantizes (:mod:`fp4lab.backend`).
+    ``probes=True`` (NNX): every quantized GEMM gets a :class:`~fp4lab.flax.nnx.QuantProbe`
+    whose gradient is its operands' numerics; :func:`probe_records` reads them.
 
     Calls inside modules (``jnp.einsum``, ``lax.dot_general``) are quantized by rules of an
     op kind. Linen finds them at every ``apply``. NNX needs example ``inputs`` (their values
@@ -135,6 +138,9 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     if block is not None:
         policy = policy.with_block(block)
     if isinstance(model, nn.Module):
+        if probes:
+            raise ValueError("quantize_model(probes=True) is for NNX models; a Linen model "
+                             "takes its probes at apply (QuantizedLinen.probe_zeros)")
         if inputs or call_kwargs:
             raise ValueError("quantize_model: a Linen model finds the calls inside its "
                              "modules at every apply; pass no example inputs")
@@ -153,9 +159,9 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
         """The op for the GEMM at ``path``, with its own SR stream."""
         path_hash = zlib.crc32(f"{seed}/{path}".encode()) & 0x7FFFFFFF
         if base is None:
-            return make(*args, seed=path_hash, backend=backend)
+            return make(*args, seed=path_hash, backend=backend, probe=probes)
         key = jax.random.fold_in(base, path_hash)
-        return make(*args, rngs=flax_nnx.Rngs(quant=key), backend=backend)
+        return make(*args, rngs=flax_nnx.Rngs(quant=key), backend=backend, probe=probes)
 
     assignments, ops = [], {}
     for g in gemms:

@@ -17,14 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax.nnx import variablelib
+
 from fp4lab.delayed import init_history, update
 from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call, runs_as_written
+from fp4lab.probes import probe_table, probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
            "QLinearGeneral", "QEinsum", "HOOKS", "KINDS", "LAYER_CALLS", "AmaxHistory",
-           "update_amax_history", "find_op_calls", "intercept_ops", "release_ops",
+           "update_amax_history", "QuantProbe", "probe_records", "probe_rows", "find_op_calls", "intercept_ops", "release_ops",
            "register_layer", "layer_stack", "stacked", "OPS_ATTR"]
 
 
@@ -51,13 +54,65 @@ class QuantCounter(nnx.Variable):
     ``nnx.Not(nnx.RngState)``) still advances it from step to step."""
 
 
+# Flax's collection of variables whose gradient is their next value (Linen's FP8 layers;
+# MaxText's train step sets every variable of this type to its gradient after each step)
+OverwriteWithGradient = variablelib.variable_type_from_name("_overwrite_with_gradient",
+                                                            allow_register=True)
+
+
+class QuantProbe(OverwriteWithGradient):
+    """A GEMM's probe (:mod:`fp4lab.probes`): the GEMM ignores its value, and its gradient is
+    the numerics of the GEMM's six operands in that step. Of Flax's ``_overwrite_with_gradient``
+    collection, so a host that sets those variables to their gradient after each step
+    (MaxText) holds the last step's numerics in it; otherwise differentiate with respect to it
+    (``nnx.DiffState(0, nnx.Any(nnx.Param, QuantProbe))``). :func:`probe_records` reads it."""
+
+
+def probe_rows(model: nnx.Module, grads=None) -> dict[str, tuple[Recipe, jax.Array]]:
+    """``{GEMM path: (recipe, probe)}`` of every GEMM of ``model`` that has a
+    :class:`QuantProbe`, its value taken from ``grads`` (the ``nnx.State`` of a gradient with
+    respect to the probes) or, without it, from the model (a host that overwrites probes with
+    their gradient). A probe of blocks stacked for a scan has the stack's axes in front. Works
+    on traced values (inside ``jit``)."""
+    values = dict(nnx.to_flat_state(nnx.state(model if grads is None else grads, QuantProbe)))
+    out = {}
+    for path, m in nnx.iter_modules(model):
+        if isinstance(m, _QuantizedGemm) and isinstance(getattr(m, "probe", None), QuantProbe):
+            name = m.path if isinstance(m, QuantOp) else "/".join(map(str, path[:-1]))
+            if path + ("probe",) not in values:
+                raise ValueError(f"{name}: no probe gradient in the given state; differentiate "
+                                 "with respect to nnx.Any(nnx.Param, QuantProbe)")
+            out[name] = (m.recipe, values[path + ("probe",)][...])
+    return out
+
+
+def probe_records(model: nnx.Module, grads=None) -> dict[str, dict[str, dict[str, float]]]:
+    """``{GEMM path: {operand: {metric: value}}}`` (host values) from the probes of
+    :func:`probe_rows`; each block stacked for a scan is its own entry, ``path[i]``. Operands
+    the GEMM's recipe does not quantize, and all of a probe whose gradient is zero (nothing was
+    measured: the GEMM did not run, or ran as written, exactly, as an identity recipe on
+    operands already of its dtype does), are NaN; a measured row is never all zeros
+    (``sqnr_db`` is then inf, NaN or ``underflow`` is 1)."""
+    out = {}
+    for name, (recipe, rows) in probe_rows(model, grads).items():
+        rows = np.asarray(rows)
+        for index in np.ndindex(rows.shape[:-2]):
+            table = probe_table(rows[index])
+            for op in table:
+                if op not in recipe.quantized_operands or not rows[index].any():
+                    table[op] = dict.fromkeys(table[op], float("nan"))
+            out[f"{name}[{','.join(map(str, index))}]" if index else name] = table
+    return out
+
+
 class _QuantizedGemm(nnx.Module):
     """What every quantized NNX GEMM carries: a recipe, a backend, its own SR stream (a base
     key from ``rngs.quant`` if given, else ``seed``, and a counter folded into it at every
-    call) and, for delayed scaling, an :class:`AmaxHistory` (``amax_history``)."""
+    call), for delayed scaling an :class:`AmaxHistory` (``amax_history``) and, with
+    ``probe=True``, a :class:`QuantProbe` (``probe``)."""
 
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
-                 backend: str = "auto"):
+                 backend: str = "auto", probe: bool = False):
         self.recipe = get_recipe(recipe)
         self.backend = backend
         key = rngs.quant() if rngs is not None and "quant" in rngs else jax.random.key(seed)
@@ -65,6 +120,8 @@ class _QuantizedGemm(nnx.Module):
         self.sr_count = QuantCounter(jnp.zeros((), jnp.uint32))
         if self.recipe.delayed is not None:
             self.amax_history = AmaxHistory(init_history(self.recipe.delayed))
+        if probe:
+            self.probe = QuantProbe(probe_zeros())
 
     def _key(self):
         """This call's SR key: the base key folded with the counter, which then advances (a
@@ -78,14 +135,19 @@ class _QuantizedGemm(nnx.Module):
     def _history(self):
         return self.amax_history[...] if self.recipe.delayed is not None else None
 
+    def _state(self) -> dict:
+        """The SR key, probe and amax history of this call, as the GEMMs take them."""
+        probe = getattr(self, "probe", None)
+        return dict(key=self._key(), probe=None if probe is None else probe[...],
+                    amax_history=self._history(), backend=self.backend)
+
 
 class QuantDot(_QuantizedGemm):
     """A drop-in ``dot_general`` for NNX layers whose GEMMs follow ``recipe``."""
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
-        return qdot_general(lhs, rhs, dimension_numbers, self.recipe, key=self._key(),
-                            amax_history=self._history(), backend=self.backend,
+        return qdot_general(lhs, rhs, dimension_numbers, self.recipe, **self._state(),
                             preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
@@ -95,9 +157,8 @@ class QuantEinsum(_QuantizedGemm):
 
     def __call__(self, spec, a, b, precision=None, preferred_element_type=None,
                  out_sharding=None):
-        return qeinsum(spec, a, b, self.recipe, key=self._key(), amax_history=self._history(),
-                       backend=self.backend, preferred_element_type=preferred_element_type,
-                       out_sharding=out_sharding)
+        return qeinsum(spec, a, b, self.recipe, **self._state(),
+                       preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
 
 class QuantOp(_QuantizedGemm):
@@ -111,8 +172,7 @@ class QuantOp(_QuantizedGemm):
         self.kind, self.path, self.call = kind, path, call or kind
 
     def __call__(self, args, kwargs):
-        return quantized_call(self.path, self.call, self.recipe, args, kwargs, key=self._key(),
-                              amax_history=self._history(), backend=self.backend)
+        return quantized_call(self.path, self.call, self.recipe, args, kwargs, **self._state())
 
 
 class QLinear(nnx.Linear):

@@ -34,7 +34,8 @@ def test_fp4labs_keys_are_taken_out_of_maxtexts_command_line():
     assert options == Options(policy="nemotron3", seed=7, strict=False)
     for bad, says in [("fp4lab.policy=nvfp5", "unknown policy 'nvfp5'"),
                       ("fp4lab.seeds=1", "fp4lab's keys are"),
-                      ("fp4lab.seed=x", "not an integer"), ("fp4lab.policy", "fp4lab's keys")]:
+                      ("fp4lab.seed=x", "not an integer"), ("fp4lab.policy", "fp4lab's keys"),
+                      ("fp4lab.probes=underflow,snr", "unknown metric 'snr'")]:
         with pytest.raises(ValueError, match=says):
             split_args(["base.yml", bad])
 
@@ -130,9 +131,12 @@ print(np.asarray(wo["sr_count"]).tolist(), len({tuple(k) for k in np.asarray(wo[
 def test_sr_streams_advance_and_a_resumed_run_continues_bit_exactly(maxtext_python, tmp_path):
     """MaxText's checkpoints hold fp4lab's SR streams (a counter per stacked block, which
     advances each step although MaxText's scan writes back no RNG state), and a run resumed
-    from one continues as the uninterrupted run does, bit for bit."""
+    from one continues as the uninterrupted run does, bit for bit. The uninterrupted run
+    reports its probes in MaxText's metrics (each block of each GEMM, each quantized operand),
+    which change no loss."""
     nvfp4 = ("fp4lab.policy=all:nvfp4", "fp4lab.seed=3")
-    train(maxtext_python, tmp_path, "whole", "steps=3", *nvfp4)
+    train(maxtext_python, tmp_path, "whole", "steps=3", *nvfp4, "fp4lab.probes=all")
+    probes_are_reported(tmp_path / "whole.jsonl")
     saving = ("enable_checkpointing=True", "async_checkpointing=False", "checkpoint_period=1")
     train(maxtext_python, tmp_path, "parts", "steps=2", *saving, *nvfp4)
     train(maxtext_python, tmp_path, "parts", "steps=3", *saving, *nvfp4)  # resumes
@@ -146,6 +150,24 @@ def test_sr_streams_advance_and_a_resumed_run_continues_bit_exactly(maxtext_pyth
                              env=_env(4))
         counts.append(got.stdout.split("\n")[-2])
     assert counts == ["[1, 1] 2", "[2, 2] 2"]  # one draw a step, one stream per block
+
+
+def probes_are_reported(metrics_file: Path) -> None:
+    from fp4lab.metrics import METRIC_NAMES
+    from fp4lab.recipe import OPERANDS
+
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    gemms = [f"decoder/layers/{g}[{i}]" for i in range(2) for g in (
+        "mlp/wi_0", "mlp/wi_1", "mlp/wo", "self_attention/query", "self_attention/key",
+        "self_attention/value", "self_attention/out")] + ["decoder/logits_dense"]
+    want = {f"fp4lab/{g}/{op}/{m}" for g in gemms for op in OPERANDS for m in METRIC_NAMES}
+    for step in steps:
+        assert {k for k in step if k.startswith("fp4lab/")} == want
+        assert all(np.isfinite(step[k]) for k in want if not k.endswith("sqnr_db"))
+        assert all(0 <= step[k] <= 1 for k in want if k.endswith("underflow"))
+        assert 5 < step["fp4lab/decoder/layers/mlp/wo[1]/fprop_x/sqnr_db"] < 40
+    assert steps[0]["fp4lab/decoder/layers/mlp/wo[0]/wgrad_dy/mse"] != \
+        steps[0]["fp4lab/decoder/layers/mlp/wo[1]/wgrad_dy/mse"]  # each block its own
 
 
 @pytest.mark.slow
@@ -195,7 +217,8 @@ class TinyLM(nnx.Module):  # MaxText's Transformer's call signature, on two NNX 
 
 def config(**kw):
     return SimpleNamespace(**{"quantization": "", "micro_batch_size_to_train_on": 2,
-                              "max_target_length": 8, "mtp_num_layers": 0, **kw})
+                              "max_target_length": 8, "mtp_num_layers": 0,
+                              "gradient_accumulation_steps": 1, **kw})
 
 
 def test_what_maxtexts_train_step_cannot_serve_is_refused():
@@ -206,5 +229,8 @@ def test_what_maxtexts_train_step_cannot_serve_is_refused():
         quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:fp8_delayed"))
     with pytest.raises(ValueError, match="quantization='int8'.*would both quantize"):
         quantize(TinyLM(nnx.Rngs(0)), config(quantization="int8"), Options(policy="all:nvfp4"))
+    with pytest.raises(ValueError, match="probes='all'.*gradient_accumulation_steps=4"):
+        quantize(TinyLM(nnx.Rngs(0)), config(gradient_accumulation_steps=4),
+                 Options(policy="all:nvfp4", probes="all"))
     m = quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:nvfp4"))
     assert [a.recipe.name for a in assignments(m)] == ["nvfp4", "nvfp4"]

@@ -201,3 +201,61 @@ def test_the_model_records_what_each_gemm_got():
     assert row[:4] == ["blocks/up", "linear", f"0-{L - 1}", "nvfp4"]
     with pytest.raises(ValueError, match="not quantized by"):
         assignments(Block(nnx.Rngs(0)))
+
+
+def test_probes_of_stacked_blocks_are_each_blocks_own_numerics():
+    """quantize_model(probes=True): each stacked block's probe gradient holds the numerics of
+    that block's operands, as its own GEMM measures them by hand; a host that overwrites the
+    probes with their gradient (MaxText) reads the same records off the model."""
+    from fp4lab import probe_table, probe_zeros
+    from fp4lab.flax import probe_records
+    from fp4lab.flax.nnx import QuantProbe
+
+    x = jax.random.normal(jax.random.key(0), (16, D))
+    m = quantize_model(HostScanned(nnx.Rngs(0), axis=1, remat=True), "all:nvfp4", probes=True)
+    assert m.blocks.up.dot_general.probe[...].shape == (L, 6, 7)
+    diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantProbe))
+    grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=diff))(m)
+    records = probe_records(m, grads)
+    assert sorted(records) == [f"blocks/{n}[{i}]" for n in ("down", "up") for i in range(L)]
+
+    def measured(a, w):  # one GEMM's forward operands, measured by hand
+        probe = jax.grad(lambda p: jnp.sum(qdot_general(a, w, DIMS, "nvfp4_no_sr", probe=p)))
+        table = probe_table(probe(probe_zeros()))
+        return {op: table[op] for op in ("fprop_x", "fprop_w")}
+
+    h = x
+    for i, ((wu, bu), (wd, bd)) in enumerate(kernels(m.blocks, 1)):
+        up = jax.nn.relu(qdot_general(h, wu, DIMS, "nvfp4_no_sr") + bu)
+        for name, (a, w) in {"up": (h, wu), "down": (up, wd)}.items():
+            record = records[f"blocks/{name}[{i}]"]
+            assert {op: record[op] for op in ("fprop_x", "fprop_w")} == measured(a, w)
+            assert all(np.isfinite(list(record[op].values())).sum() >= 5
+                       for op in ("dgrad_dy", "wgrad_dy", "wgrad_x"))
+        h = h + qdot_general(up, wd, DIMS, "nvfp4_no_sr") + bd
+    assert records["blocks/up[0]"]["wgrad_dy"] != records["blocks/up[1]"]["wgrad_dy"]
+    nnx.update(m, nnx.state(grads, QuantProbe))  # what MaxText's step does with them
+    np.testing.assert_equal(probe_records(m), records)  # NaN (unquantized) equal to NaN
+
+
+def test_a_probe_that_measured_nothing_says_nan():
+    """An identity recipe on operands already of its dtype runs as written (exact, nothing
+    to measure): its probe's gradient is zero, read as NaN (not measured), never as 0 % error;
+    on float32 operands the same recipe rounds them, and that is measured."""
+    from fp4lab.flax import probe_records
+    from fp4lab.flax.nnx import QuantProbe
+
+    policy = PrecisionPolicy(rules=(Rule(recipe="bf16", kind="lax.dot_general"),),
+                             default="bf16")
+    for dtype, measured in [(jnp.bfloat16, False), (jnp.float32, True)]:
+        x = jax.random.normal(jax.random.key(0), (4, D), dtype)
+        net = Net(nnx.Rngs(0))
+        nnx.update(net, jax.tree.map(lambda v: v.astype(dtype), nnx.state(net, nnx.Param)))
+        m = quantize_model(net, policy, x, probes=True)
+        grads = nnx.grad(lambda m: jnp.sum(m(x)), argnums=nnx.DiffState(0, QuantProbe))(m)
+        records = probe_records(m, grads)
+        assert sorted(records) == ["layers/0/dot_general_0", "layers/1/dot_general_0"]
+        sqnr = [r["fprop_x"]["sqnr_db"] for r in records.values()]
+        assert np.all(np.isfinite(sqnr)) if measured else np.all(np.isnan(sqnr))
+    with pytest.raises(ValueError, match="no probe gradient"):
+        probe_records(m, nnx.state(m, nnx.Param))
