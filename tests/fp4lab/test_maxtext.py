@@ -45,20 +45,22 @@ def maxtext_python():
     return python_of(MAXTEXT)
 
 
-def _env(devices: int, **extra: str) -> dict:
+def _env(devices: int, xla: str = "", **extra: str) -> dict:
     return {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla}", **extra}
 
 
 def train(python, out: Path, name: str, *args: str, module="fp4lab.maxtext", devices=4,
-          check=True) -> subprocess.CompletedProcess:
-    """One run of MaxText's trainer; its metrics in ``out/<name>.jsonl``."""
+          check=True, dump=False) -> subprocess.CompletedProcess:
+    """One run of MaxText's trainer; its metrics in ``out/<name>.jsonl``, and with ``dump``
+    XLA's compiled programs in ``out/<name>.hlo``."""
     cmd = [str(python), "-m", module, *TINY, f"base_output_directory={out}",
            f"run_name={name}", f"metrics_file={out / name}.jsonl", *args]
     if module != "fp4lab.maxtext":
         cmd[3] = _base_yml(python)
+    xla = f"--xla_dump_to={out / name}.hlo --xla_dump_hlo_as_text" if dump else ""
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out,
-                         env=_env(devices))
+                         env=_env(devices, xla))
     if check and run.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n"
                              f"{run.stderr[-6000:]}")
@@ -77,6 +79,15 @@ def table(stdout: str) -> dict[str, tuple[str, str]]:
     return {row[0]: (row[2], row[3]) for row in rows}
 
 
+def step_collectives(out: Path, name: str):
+    """The collectives of the train step MaxText compiled in run ``name`` (``dump=True``)."""
+    from hlo import collectives
+
+    found = sorted((out / f"{name}.hlo").glob("*jit_train_step*after_optimizations.txt"))
+    assert found, f"no train step in {out / name}.hlo"
+    return collectives(found[-1].read_text())
+
+
 def losses(out: Path, name: str) -> list[float]:
     lines = (out / f"{name}.jsonl").read_text().splitlines()
     return [json.loads(line)["learning/loss"] for line in lines if line.strip()]
@@ -85,17 +96,30 @@ def losses(out: Path, name: str) -> list[float]:
 @pytest.mark.slow
 def test_all_bf16_is_maxtexts_unquantized_model_and_nvfp4_trains(maxtext_python, tmp_path):
     """fp4lab's all:bf16 on MaxText's BF16 model gives MaxText's own losses bit for bit;
-    NVFP4 on every GEMM trains, its losses within a few percent of them."""
+    NVFP4 on every GEMM trains, its losses within a few percent of them. Its compiled step on
+    the fsdp x tensor mesh moves the same tensor all-reduces as MaxText's, adds one-element
+    all-reduces (the per-tensor amaxes) and at most one all-gather per GEMM (an operand the
+    GEMM gathers, FSDP's weights, gathered once per quantized copy: docs/sharding.md)."""
     train(maxtext_python, tmp_path, "maxtext", "steps=3",
-          module="maxtext.trainers.pre_train.train")
+          module="maxtext.trainers.pre_train.train", dump=True)
     train(maxtext_python, tmp_path, "bf16", "steps=3", "fp4lab.policy=all:bf16")
     base = losses(tmp_path, "maxtext")
     assert losses(tmp_path, "bf16") == base and len(base) == 3
-    run = train(maxtext_python, tmp_path, "nvfp4", "steps=3", "fp4lab.policy=all:nvfp4")
-    assert table(run.stdout)["decoder/layers/mlp/wo"] == ("0-1", "nvfp4")  # stacked blocks
+    run = train(maxtext_python, tmp_path, "nvfp4", "steps=3", "fp4lab.policy=all:nvfp4",
+                dump=True)
+    gemms = table(run.stdout)
+    assert gemms["decoder/layers/mlp/wo"] == ("0-1", "nvfp4") and len(gemms) == 8
     nvfp4 = losses(tmp_path, "nvfp4")
     assert nvfp4 != base and np.all(np.isfinite(nvfp4))
     np.testing.assert_allclose(nvfp4, base, rtol=0.03)
+    from hlo import moving, scalar
+
+    before, after = (step_collectives(tmp_path, n) for n in ("maxtext", "nvfp4"))
+    assert moving(before)["all-reduce"] >= 1 and moving(before)["all-gather"] >= 1
+    added = moving(after) - moving(before)
+    assert set(added) <= {"all-gather"} and moving(before) - moving(after) == {}
+    assert added["all-gather"] <= 15  # 7 GEMMs in each of 2 layers, and the logits
+    assert set(scalar(after) - scalar(before)) == {"all-reduce"}
 
 
 @pytest.mark.slow
