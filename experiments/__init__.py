@@ -12,5 +12,10 @@ probes, precision sweeps and automatic per-layer format assignment.
   short probe runs.
 
 Library code (``fp4lab``) never imports this package; it is installed alongside so that
-notebooks and scripts can ``import experiments``.
+notebooks and scripts can ``import experiments``. Importing it registers the named policies
+(``policies``) with ``fp4lab.policy.get_policy``, the one parser of policy strings, so every
+``python -m experiments.<x>`` command, notebook and script reads them wherever a policy is
+named (``quantize_model(model, "nvfp4_bf16_last2")`` too).
 """
+
+from experiments import policies as _policies  # noqa: F401  (registers the policy names)

@@ -1,22 +1,24 @@
-"""Named precision policies for experiments (parsed once, at the config boundary).
+"""Named precision policies for experiments, registered with fp4lab's one parser.
 
-``get(name)`` accepts:
+Importing this module (``import experiments`` does) registers, with
+:func:`fp4lab.policy.register_policy` and :func:`fp4lab.policy.register_policy_family`:
 
 * ``bf16_mlp_saved_fp8``: BF16, the MLP layers' inputs saved for backward as E4M3 1x128
   (Kimi K2's activation storage); ``bf16_attn_out_saved_fp8`` / ``_e5m6`` / ``_e5m6_pow2``:
   the attention output (the input of attention/out) saved as E4M3, E5M6 or E5M6 with
   power-of-two scales (DeepSeek-V3);
-* the sweep's names: ``bf16``, ``nvfp4``, ``nemotron3``, ``nemotron3_no_mxfp8`` (Mamba
-  out_proj left in NVFP4), ``nemotron3_no_tail`` (no BF16 last 15 %), ``nvfp4_no_rht``,
-  ``nvfp4_no_sr``, ``nvfp4_1d_weights``, ``mxfp8``, ``mxfp4``, ``fp8_hybrid``, and any other
-  recipe name (every layer in that recipe);
+* the sweep's names: ``nemotron3_no_mxfp8`` (Mamba out_proj left in NVFP4),
+  ``nemotron3_no_tail`` (no BF16 last 15 %);
 * ``<recipe>_bf16_first<k>`` / ``<recipe>_bf16_last<k>``: every layer in the recipe except
   those of the first / last ``k`` blocks, in BF16 (``nvfp4_bf16_last2``: the NVFP4 paper's
-  ablation of which blocks to keep in high precision);
-* anything ``fp4lab.policy.get_policy`` accepts (``nvfp4_paper``, ``all:<recipe>``);
-* ``file:<path.json>``: a policy written by ``experiments.auto_assign`` (or
-  ``fp4lab.policy.save_policy``); the library reads it the same way
-  (``quantize_model(model, "file:policy.json")``, ``fp4lab.policy.load_policy``).
+  ablation of which blocks to keep in high precision).
+
+Every policy string is then parsed by :func:`fp4lab.policy.get_policy` (re-exported here;
+``get`` is the same function), wherever it is given (``quantize_model``, ``fp4lab.export``,
+configs' ``precision.policy``): besides these names, the library's presets (``nemotron3``,
+``nvfp4_paper``), any recipe name (``bf16``, ``nvfp4``, ``nvfp4_no_rht``, ``mxfp8``, ...:
+every layer in that recipe), ``all:<recipe>``, and ``file:<path.json>`` (a policy written by
+``experiments.auto_assign`` or ``fp4lab.policy.save_policy``).
 
 A policy is identified by what it says, not by its name: :func:`fingerprint` hashes its
 rules (a run's ``config.json`` records them and the hash, and a run is resumed or reused only
@@ -27,13 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 
-from fp4lab.policy import (Depth, PrecisionPolicy, Rule, all_layers, get_policy, nemotron3,
-                           policy_to_dict)
+from fp4lab.policy import (Depth, PrecisionPolicy, Rule, get_policy, nemotron3,
+                           policy_to_dict, register_policy, register_policy_family)
 from fp4lab.recipe import RECIPES
 
-__all__ = ["get", "NAMED", "fingerprint"]
+__all__ = ["get_policy", "get", "NAMED", "BF16_ENDS", "fingerprint"]
 
 NAMED = {
     # Kimi K2: BF16 compute, the MLP inputs stored for the backward pass as E4M3 1x128
@@ -54,33 +55,30 @@ NAMED = {
         rules=(Rule(name="attention output saved in E5M6 (power-of-two scales)",
                     recipe="bf16_saved_e5m6_pow2", pattern=r"(?:.*/)?attention/out"),),
         default="bf16"),
-    "nemotron3": lambda: nemotron3(),
     "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
     "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),
 }
 
 
-def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
-    if isinstance(name, PrecisionPolicy):
-        return name
-    if name in NAMED:
-        policy = NAMED[name]()
-        return PrecisionPolicy(rules=policy.rules, default=policy.default, name=name,
-                               block_pattern=policy.block_pattern)
-    if name in RECIPES:
-        return all_layers(name)
-    m = re.fullmatch(r"(\w+?)_bf16_(first|last)(\d+)", name)
-    if m and m[1] in RECIPES and int(m[3]) > 0:
-        depth = Depth(**{m[2]: int(m[3])})
-        return PrecisionPolicy(rules=(Rule(name=f"{m[2]} {m[3]} blocks", recipe="bf16",
-                                           depth=depth),), default=m[1], name=name)
-    try:
-        return get_policy(name)
-    except ValueError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(NAMED)}, any recipe "
-                         f"({', '.join(RECIPES)}), <recipe>_bf16_first<k>, "
-                         "<recipe>_bf16_last<k>, nvfp4_paper, all:<recipe>, "
-                         "file:<policy.json>") from None
+# <recipe>_bf16_first<k> / <recipe>_bf16_last<k>
+BF16_ENDS = r"(\w+?)_bf16_(first|last)(\d+)"
+
+
+def _bf16_ends(m) -> PrecisionPolicy | None:
+    """Every layer in recipe ``m[1]`` but those of the first / last ``m[3]`` blocks, in BF16;
+    ``None`` for an unknown recipe or no blocks."""
+    if m[1] not in RECIPES or int(m[3]) == 0:
+        return None
+    return PrecisionPolicy(rules=(Rule(name=f"{m[2]} {m[3]} blocks", recipe="bf16",
+                                       depth=Depth(**{m[2]: int(m[3])})),), default=m[1])
+
+
+for _name, _factory in NAMED.items():
+    register_policy(_name, _factory)
+register_policy_family(BF16_ENDS, _bf16_ends,
+                       label="<recipe>_bf16_first<k>, <recipe>_bf16_last<k>")
+
+get = get_policy  # the name experiments' call sites use
 
 
 def fingerprint(policy: PrecisionPolicy) -> str:

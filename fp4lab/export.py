@@ -61,7 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from fp4lab.formats import get_format
-from fp4lab.policy import PrecisionPolicy, all_layers, get_policy
+from fp4lab.policy import PrecisionPolicy, get_policy
 from fp4lab.qarray import QArray
 from fp4lab.quantize import quantize
 from fp4lab.recipe import Recipe
@@ -97,15 +97,6 @@ def _flat_params(params) -> tuple[dict[str, np.ndarray], dict[str, str | None]]:
     return flat, layers
 
 
-def _policy(policy) -> PrecisionPolicy:
-    """A policy, or a recipe (or recipe name) for every layer."""
-    from fp4lab.recipe import RECIPES
-
-    if isinstance(policy, Recipe) or (isinstance(policy, str) and policy in RECIPES):
-        return all_layers(policy)
-    return get_policy(policy)
-
-
 def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
                       compute_dtype=None, num_blocks: int | None = None,
                       contracting: Mapping[str, int] | None = None
@@ -123,10 +114,11 @@ def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
     own dtype, as a layer without ``dtype=`` computes. ``contracting``: ``{layer path: n}``,
     the number of leading kernel axes a layer contracts, for kernels of rank >= 3 without a
     bias to read it from (a ``DenseGeneral``'s bias has the kernel's feature axes). A policy
-    is a preset name, ``all:<recipe>``, ``file:<policy.json>``, a :class:`PrecisionPolicy`,
-    or a :class:`Recipe` (or a recipe's name) for every layer. GGML formats' blocks whose
+    is anything :func:`fp4lab.policy.get_policy` reads: a :class:`PrecisionPolicy`, a
+    :class:`Recipe` or a recipe's name (every layer), ``all:<recipe>``, ``file:<policy.json>``
+    or a registered name such as a preset. GGML formats' blocks whose
     float16 scale is zero hold GGML's own codes (:func:`_ggml_reference`)."""
-    policy = _policy(policy)
+    policy = get_policy(policy)
     flat, layers = _flat_params(params)
     if not any(f"{layer}/kernel" in flat for layer in layers):
         raise ValueError(f"found no linear layer in the parameters (a 'kernel' of rank >= 2 "
@@ -764,7 +756,7 @@ def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
     (the policy is recorded in the metadata)."""
     from fp4lab.policy import explain, policy_to_dict
 
-    policy = _policy(policy)
+    policy = get_policy(policy)
     _out_path(path, layout)  # a wrong path fails before the work
     weights = quantized_weights(params, policy, compute_dtype=compute_dtype,
                                 num_blocks=num_blocks, contracting=contracting)

@@ -109,3 +109,131 @@ def test_reprs_name_registered_recipes_and_skip_defaults():
     assert repr(PrecisionPolicy(default="nvfp4")) == "PrecisionPolicy(default='nvfp4')"
     unregistered = dataclasses.replace(get_recipe("nvfp4"), name="mine")
     assert "OperandQuant" in repr(Rule(recipe=unregistered))  # no name to stand for it
+
+
+# ----------------------------------------------------------------------------- one parser
+
+
+@pytest.fixture
+def registry():
+    """The registry of policy names as it was, restored after the test."""
+    import fp4lab.policy as policy_module
+
+    names, families = dict(policy_module._NAMES), dict(policy_module._FAMILIES)
+    yield
+    policy_module._NAMES.clear()
+    policy_module._NAMES.update(names)
+    policy_module._FAMILIES.clear()
+    policy_module._FAMILIES.update(families)
+
+
+def test_a_recipe_or_its_name_is_every_layer_in_it():
+    nvfp4 = get_recipe("nvfp4")
+    assert get_policy("nvfp4") == get_policy(nvfp4) == get_policy("all:nvfp4") == \
+        all_layers("nvfp4")
+    assert get_policy("nvfp4").name == "all(nvfp4)"
+    p = PrecisionPolicy(default="mxfp8")
+    assert get_policy(p) is p
+
+
+def test_registered_names_and_families_resolve_and_carry_their_name(registry):
+    from fp4lab.policy import PRESETS, register_policy, register_policy_family
+
+    def mine():
+        return PrecisionPolicy(default="mxfp8")  # named "custom" by its factory
+
+    register_policy("mine", mine)
+    register_policy("mine", mine)  # the same factory again: nothing changes
+    assert PRESETS["mine"] is mine
+    assert get_policy("mine") == PrecisionPolicy(default="mxfp8", name="mine")
+
+    def every_k(m):
+        return None if int(m[2]) == 0 else all_layers(m[1])
+
+    register_policy_family(r"(\w+?)_every(\d+)", every_k, label="<recipe>_every<k>")
+    assert get_policy("fp8_hybrid_every3") == PrecisionPolicy(default="fp8_hybrid",
+                                                              name="fp8_hybrid_every3")
+    with pytest.raises(ValueError, match="unknown policy 'nvfp4_every0'.*<recipe>_every<k>"):
+        get_policy("nvfp4_every0")  # the factory said no
+    assert get_policy("nemotron3") == nemotron3()  # a preset is a registered name
+
+
+def test_registering_a_name_twice_with_another_factory_is_an_error(registry):
+    from fp4lab.policy import register_policy, register_policy_family
+
+    with pytest.raises(ValueError, match="'nemotron3' is already registered"):
+        register_policy("nemotron3", lambda: nemotron3(bf16_tail=0.0))
+    assert get_policy("nemotron3") == nemotron3()  # unchanged
+    register_policy_family(r"x(\d+)", lambda m: None, label="x<k>")
+    with pytest.raises(ValueError, match="already registered with another factory"):
+        register_policy_family(r"x(\d+)", lambda m: None, label="x<k>")
+    for bad in ("nvfp4", "all:nvfp4", "", " mine"):  # a recipe, a prefix, empty, spaces
+        with pytest.raises(ValueError, match="policy name"):
+            register_policy(bad, nemotron3)
+    with pytest.raises(ValueError, match="not a valid regex"):
+        register_policy_family("(", lambda m: None, label="bad")
+
+
+def test_an_unknown_name_lists_what_is_known(registry):
+    from fp4lab.policy import register_policy_family
+
+    register_policy_family(r"(\w+?)_every(\d+)", lambda m: None, label="<recipe>_every<k>")
+    with pytest.raises(ValueError) as e:
+        get_policy("nemotron4")
+    msg = str(e.value)
+    assert msg.startswith("unknown policy 'nemotron4'; known: names nemotron3, nvfp4_paper")
+    for known in ("families ", "<recipe>_every<k>", "a recipe for every layer (bf16, ",
+                  "mxfp4_weights", "all:<recipe>", "file:<policy.json>"):
+        assert known in msg, known
+    with pytest.raises(ValueError, match="unknown policy 3"):
+        get_policy(3)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_quantize_model_takes_a_recipe_name(api):
+    """``quantize_model(model, "nvfp4")`` is ``quantize_model(model, "all:nvfp4")``, as
+    ``fp4lab.export`` and the experiments read a recipe name."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp4lab.flax import assignments, quantize_model
+
+    x = jax.random.normal(jax.random.key(1), (4, 32))
+    if api == "linen":
+        import flax.linen as nn
+
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(32, name="down")(nn.relu(nn.Dense(64, name="up")(x)))
+
+        q, ref = quantize_model(MLP(), "nvfp4"), quantize_model(MLP(), "all:nvfp4")
+        assert q.policy == all_layers("nvfp4")
+        variables = q.init(jax.random.key(0), x)
+        rngs = {"quant": jax.random.key(2)}
+        out = q.apply(variables, x, rngs=rngs)
+        want = ref.apply(variables, x, rngs=rngs)
+        plain = MLP().apply(variables, x)
+        assert {a.recipe.name for a in q.explain(variables, x)} == {"nvfp4"}
+    else:
+        from flax import nnx
+
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.up = nnx.Linear(32, 64, rngs=rngs)
+                self.down = nnx.Linear(64, 32, rngs=rngs)
+
+            def __call__(self, x):
+                return self.down(nnx.relu(self.up(x)))
+
+        q, ref = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+        plain = MLP(nnx.Rngs(0))(x)
+        quantize_model(q, "nvfp4")
+        quantize_model(ref, "all:nvfp4")
+        assert assignments(q).policy == all_layers("nvfp4")
+        assert {a.recipe.name for a in assignments(q)} == {"nvfp4"}
+        out, want = q(x), ref(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert not np.array_equal(np.asarray(out), np.asarray(plain))  # it did quantize
+    assert jnp.all(jnp.isfinite(out))
