@@ -265,9 +265,9 @@ def load_params(path: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"parameter file {path!r} does not exist")
     if path.endswith(".safetensors"):
-        from fp4lab.export import _read_safetensors
+        from fp4lab.export import read_safetensors
 
-        flat = _read_safetensors(path)[0]
+        flat = read_safetensors(path)[0]
     elif path.endswith(".npz"):
         with np.load(path) as z:
             flat = {k: _known_dtype(z[k], k) for k in z.keys()}

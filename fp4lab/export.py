@@ -66,7 +66,8 @@ from fp4lab.qarray import QArray
 from fp4lab.quantize import quantize
 from fp4lab.recipe import Recipe
 
-__all__ = ["LAYOUTS", "quantized_weights", "save", "export", "load", "tensor_name"]
+__all__ = ["LAYOUTS", "quantized_weights", "save", "export", "load", "tensor_name",
+           "read_safetensors"]
 
 LAYOUTS = ("gguf", "mxfp4", "nvfp4", "nvfp4_modelopt")
 NVFP4_FACTOR = np.float32(2688.0)  # 6 (E2M1's max) * 448 (E4M3's max)
@@ -500,10 +501,12 @@ def _st_entry(path: Path, name: str, info) -> tuple[np.dtype, int, int, tuple[in
     return np.dtype(_ST_DTYPES[kind]), start, end, shape
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """A safetensors file as NumPy arrays (float8 included, which the ``safetensors`` package
-    cannot hand to NumPy): an 8-byte little-endian header length, the JSON header, the
-    tensors' bytes at the offsets it gives."""
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The tensors of a safetensors file as NumPy arrays, by name (float8 included, which the
+    ``safetensors`` package cannot hand to NumPy), and its ``__metadata__`` strings. The file
+    is an 8-byte little-endian header length, the JSON header, the tensors' bytes at the
+    offsets it gives; one that is not (truncated, a bad header, a tensor outside the file)
+    raises ValueError naming the file."""
     raw = Path(path).read_bytes()
     n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else None
     if n is None or n > len(raw) - 8:
@@ -665,7 +668,7 @@ def _load_safetensors_dir(path: Path) -> dict:
     if not files:
         raise FileNotFoundError(f"{str(path)!r} holds no .safetensors file")
     for f in files:  # one file, or a sharded checkpoint's shards
-        t, meta = _read_safetensors(f)
+        t, meta = read_safetensors(f)
         tensors.update(t)
         try:
             index.update(json.loads(meta.get("fp4lab.tensors") or "{}"))

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from fp4lab import rounding
 from fp4lab.formats import Format
-from fp4lab.quantize import (_dequantize_blocks, _from_blocks, _quantize_blocks,
-                             _rounded_output, _validate)
+from fp4lab.quantize import (check_arguments, dequantize_blocks, from_blocks, quantize_blocks,
+                             rounded_output)
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
@@ -72,11 +72,11 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
         y = x.astype(fmt.element.storage)
         zero = jnp.float32(0)
         return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero}
-    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    b = quantize_blocks(x, fmt, g, rounding, key, global_amax)
     # the dequantized values rounded (no FMA with the subtraction in error_metrics)
-    y = _rounded_output(_from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g))
+    y = rounded_output(from_blocks(dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g))
     lowest = fmt.scaling.round_nearest(jnp.float32(-jnp.finfo(jnp.float32).max), fmt.element)
-    saturated = _from_blocks((b.v > fmt.element.max) | (b.v < lowest), g)
+    saturated = from_blocks((b.v > fmt.element.max) | (b.v < lowest), g)
     bad = fmt.scaling.bad_scale(b.scale)
     return {
         **error_metrics(x, y),
@@ -96,7 +96,7 @@ def quant_metrics(
     global_amax: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Metrics (see module doc) of quantizing ``x`` to ``fmt``; arguments as ``quantize``."""
-    x, fmt, g, _ = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
-                            global_amax=global_amax)
+    x, fmt, g, _ = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                                   global_amax=global_amax)
     out = _metrics(x, key, global_amax, fmt=fmt, g=g, rounding=rounding)
     return {k: out[k] for k in METRIC_NAMES}

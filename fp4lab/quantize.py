@@ -44,7 +44,10 @@ from fp4lab.formats import Format, get_format
 from fp4lab.qarray import QArray
 
 __all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key",
-           "straight_through"]
+           "straight_through",
+           # the XLA reference's steps, for measuring what it does (fp4lab.metrics)
+           "check_arguments", "Geometry", "Blocks", "quantize_blocks", "dequantize_blocks",
+           "from_blocks", "rounded_output"]
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -52,8 +55,9 @@ Rounding = Literal["nearest", "stochastic"]
 # --------------------------------------------------------------------------- geometry
 
 
-class _Geometry(NamedTuple):
-    """Block layout: ``x`` (padded) is reshaped so block axis ``a`` becomes ``(n_a, b_a)``."""
+class Geometry(NamedTuple):
+    """Block layout: ``x`` (padded) is reshaped so block axis ``a`` becomes ``(n_a, b_a)``
+    (the "blocked layout" of :func:`quantize_blocks`). Static: hashable, a jit argument."""
 
     shape: tuple[int, ...]  # logical
     axes: tuple[int, ...]  # blocked axes of the logical array, ascending
@@ -96,7 +100,7 @@ def _normalize_axis(axis: Any, shape) -> int:
     return axis % nd
 
 
-def _geometry(shape, fmt: Format, axis, tile) -> tuple[_Geometry, int]:
+def _geometry(shape, fmt: Format, axis, tile) -> tuple[Geometry, int]:
     shape = tuple(int(s) for s in shape)
     nd = len(shape)
     if fmt.granularity in ("none", "tensor"):
@@ -105,16 +109,16 @@ def _geometry(shape, fmt: Format, axis, tile) -> tuple[_Geometry, int]:
                              f"{fmt.granularity} granularity, not blocks")
         ax = _normalize_axis(axis, shape) if nd else 0
         if fmt.granularity == "none":
-            return _Geometry(shape, (), ()), ax
-        return _Geometry(shape, tuple(range(nd)), shape, per_tensor=True), ax
+            return Geometry(shape, (), ()), ax
+        return Geometry(shape, tuple(range(nd)), shape, per_tensor=True), ax
     if nd == 0:
         raise ValueError(f"format {fmt.name} scales along an axis; got a scalar")
     ax = _normalize_axis(axis, shape)
     if tile is None:
         if fmt.granularity == "channel":
             size = shape[ax] + (shape[ax] % 2 if fmt.element.packed else 0)
-            return _Geometry(shape, (ax,), (max(size, 2 if fmt.element.packed else 1),)), ax
-        return _Geometry(shape, (ax,), (fmt.block,)), ax
+            return Geometry(shape, (ax,), (max(size, 2 if fmt.element.packed else 1),)), ax
+        return Geometry(shape, (ax,), (fmt.block,)), ax
     if fmt.granularity != "block":
         raise ValueError(f"tile={tile} does not fit format {fmt.name}: it has "
                          f"{fmt.granularity} granularity")
@@ -129,31 +133,34 @@ def _geometry(shape, fmt: Format, axis, tile) -> tuple[_Geometry, int]:
     if ax != nd - 1:
         raise ValueError(f"with tile={tile} the tile covers the last two axes; {axis=} must "
                          f"be -1 (or {nd - 1})")
-    return _Geometry(shape, (nd - 2, nd - 1), tile), ax
+    return Geometry(shape, (nd - 2, nd - 1), tile), ax
 
 
-def _to_blocks(x: jax.Array, g: _Geometry) -> jax.Array:
+def _to_blocks(x: jax.Array, g: Geometry) -> jax.Array:
     pad = [(0, p - s) for s, p in zip(g.shape, g.padded)]
     if any(hi for _, hi in pad):
         x = jnp.pad(x, pad)
     return x.reshape(g.blocked)
 
 
-def _from_blocks(y: jax.Array, g: _Geometry) -> jax.Array:
+def from_blocks(y: jax.Array, g: Geometry) -> jax.Array:
+    """An array of the blocked layout of ``g`` (values or a mask, one per element) in the
+    logical layout: reshaped to ``g.padded`` and the padding sliced off (shape ``g.shape``).
+    No arithmetic: the values are the same bits."""
     y = y.reshape(g.padded)
     if g.padded != g.shape:
         y = y[tuple(slice(0, s) for s in g.shape)]
     return y
 
 
-def _scale_to_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
+def _scale_to_blocks(scale: jax.Array, g: Geometry) -> jax.Array:
     """Stored scale -> keepdims shape broadcastable to the blocks."""
     if g.per_tensor:
         return scale.reshape((1,) * len(g.blocked))
     return jnp.expand_dims(scale, g.reduce_axes)
 
 
-def _scale_from_blocks(scale: jax.Array, g: _Geometry) -> jax.Array:
+def _scale_from_blocks(scale: jax.Array, g: Geometry) -> jax.Array:
     """Keepdims block scale -> stored layout: block dims squeezed; a scalar per tensor."""
     return scale.reshape(()) if g.per_tensor else jnp.squeeze(scale, g.reduce_axes)
 
@@ -173,8 +180,12 @@ def check_key(key, what: str = "key"):
 
 
 
-def _validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, global_amax=None):
-    """Check arguments and return ``(x, fmt, geometry, axis)``; raise a clear error otherwise."""
+def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
+                    global_amax=None) -> tuple[jax.Array, Format, Geometry, int]:
+    """The checks of :func:`quantize`'s arguments (the same keywords), shared by every
+    function that takes them: returns ``(x, fmt, geometry, axis)``, ``x`` as an array,
+    ``fmt`` a :class:`Format`, the block :class:`Geometry` and the block axis normalized to
+    ``0 <= axis < x.ndim``; raises TypeError or ValueError naming the bad argument."""
     fmt = get_format(fmt)
     if not hasattr(x, "dtype"):
         x = jnp.asarray(x)
@@ -200,14 +211,22 @@ def _validate(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, globa
 # --------------------------------------------------------------------------- core
 
 
-class _Blocks(NamedTuple):
+class Blocks(NamedTuple):
+    """What :func:`quantize_blocks` computed, in the blocked layout of its geometry."""
+
     v: jax.Array  # fl(x * multiplier), before rounding, blocked layout
     q: jax.Array  # element values on the grid (float32), blocked layout
     scale: jax.Array | None  # stored scale, keepdims (broadcastable to blocks)
-    tensor_amax: jax.Array | None
+    tensor_amax: jax.Array | None  # the per-tensor amax where the scheme uses one (NVFP4)
 
 
-def _quantize_blocks(x, fmt: Format, g: _Geometry, rounding, key, global_amax) -> _Blocks:
+def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> Blocks:
+    """The XLA reference quantizer of a scaled (not pass-through) format up to the codes:
+    ``x`` in float32, zero-padded and blocked by ``g``, its block scales and multipliers
+    (``fmt.scaling``), the scaled values ``v`` and their rounding ``q`` onto the element grid
+    (``fmt.scaling.round_nearest``, or stochastic with ``key``). Arguments as
+    :func:`check_arguments` returns and :func:`quantize` takes them; :func:`quantize` encodes
+    exactly these ``q`` and stores exactly these scales."""
     scheme, elem = fmt.scaling, fmt.element
     xb = _to_blocks(x.astype(jnp.float32), g)
     stat = scheme.statistic(xb, g.reduce_axes)
@@ -228,7 +247,7 @@ def _quantize_blocks(x, fmt: Format, g: _Geometry, rounding, key, global_amax) -
         q = scheme.round_nearest(v, elem)
     if elem.kind == "int":
         q = jnp.where(q == 0, 0.0, q)  # integers have no -0
-    return _Blocks(v, q, scale, tensor_amax)
+    return Blocks(v, q, scale, tensor_amax)
 
 
 def _opaque_scales(scale, tensor_amax):
@@ -239,7 +258,11 @@ def _opaque_scales(scale, tensor_amax):
     return rnd.opaque(scale, tensor_amax)
 
 
-def _dequantize_blocks(q, scale, tensor_amax, fmt: Format) -> jax.Array:
+def dequantize_blocks(q, scale, tensor_amax, fmt: Format) -> jax.Array:
+    """Element values ``q`` (float32, blocked layout) times the decode multipliers of their
+    keepdims block ``scale`` (and NVFP4's ``tensor_amax``), in ``fmt.scaling``'s order: the
+    dequantized values in float32, blocked layout. Pass the result through
+    :func:`rounded_output` before anything else consumes it."""
     scale, tensor_amax = _opaque_scales(scale, tensor_amax)
     y = q
     for m in fmt.scaling.decode(scale, tensor_amax, fmt.element):
@@ -257,11 +280,11 @@ def _cast(x, fmt: Format, rounding, key):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "g", "ax", "rounding"))
-def _quantize(x, key, global_amax, *, fmt: Format, g: _Geometry, ax: int, rounding) -> QArray:
+def _quantize(x, key, global_amax, *, fmt: Format, g: Geometry, ax: int, rounding) -> QArray:
     tile = g.block if len(g.axes) == 2 and fmt.granularity == "block" else None
     if fmt.is_passthrough:
         return QArray(_cast(x, fmt, rounding, key), None, None, fmt, ax, None, g.shape)
-    b = _quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    b = quantize_blocks(x, fmt, g, rounding, key, global_amax)
     codes = rnd.encode(fmt.scaling.mask_codes(b.q, b.scale), fmt.element)
     # Materialize the codes once: without the barrier XLA:CPU fuses the whole quantizer into
     # each strided read of the packing below and runs it several times (measured 8x slower).
@@ -304,8 +327,8 @@ def quantize(
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.backend`); the
         kernels give the same bits.
     """
-    x, fmt, g, ax = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
-                             global_amax=global_amax)
+    x, fmt, g, ax = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding,
+                                    key=key, global_amax=global_amax)
     kernel = _backend.decide(backend, _backend.Request(
         op="quantize", format=fmt, shape=x.shape, axis=ax - x.ndim, tile=tile,
         rounding=rounding))
@@ -315,10 +338,11 @@ def quantize(
     return _quantize(x, key, global_amax, fmt=fmt, g=g, ax=ax, rounding=rounding)
 
 
-def _rounded_output(y: jax.Array) -> jax.Array:
-    """The dequantized values as they are, for any consumer: the last operation is a product
-    (``q * scale``), and without the barrier XLA contracts it with a consumer's addition
-    (``fake_quant(x) + r``) into an FMA that never rounds it (19 % of NVFP4 sums moved)."""
+def rounded_output(y: jax.Array) -> jax.Array:
+    """``y`` (dequantized values) behind a barrier, so that every consumer reads them rounded:
+    the last operation is a product (``q * scale``), and without the barrier XLA contracts it
+    with a consumer's addition (``fake_quant(x) + r``) into an FMA that never rounds it (19 %
+    of NVFP4 sums moved). Same values, same dtype."""
     return rnd.opaque(y)
 
 
@@ -332,8 +356,8 @@ def _dequantize(q: QArray, dtype) -> jax.Array:
     if fmt.element.packed:
         data = rnd.unpack_nibbles(data, q.axis)
     vals = rnd.decode(data, fmt.element).reshape(g.blocked)
-    y = _dequantize_blocks(vals, _scale_to_blocks(q.scale, g), q.global_scale, fmt)
-    return _rounded_output(_from_blocks(y, g).astype(dtype))
+    y = dequantize_blocks(vals, _scale_to_blocks(q.scale, g), q.global_scale, fmt)
+    return rounded_output(from_blocks(y, g).astype(dtype))
 
 
 def dequantize(q: QArray, dtype=jnp.float32, *, backend: str = "auto") -> jax.Array:
@@ -365,7 +389,7 @@ class _FakeQuant:
     its block axis ``axis`` moved last when it is not."""
 
     fmt: Format
-    g: _Geometry
+    g: Geometry
     rounding: str
     mask_saturated: bool
     quantizer: _backend.Kernel | None = None
@@ -386,12 +410,12 @@ def _fake_quant_values(x, key, global_amax, how: _FakeQuant):
         return (jnp.moveaxis(y, -1, how.axis) if moved else y), None
     if fmt.is_passthrough:
         return _cast(x, fmt, how.rounding, key).astype(x.dtype), None
-    b = _quantize_blocks(x, fmt, how.g, how.rounding, key, global_amax)
-    y = _from_blocks(_dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), how.g)
+    b = quantize_blocks(x, fmt, how.g, how.rounding, key, global_amax)
+    y = from_blocks(dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), how.g)
     # clipped: |v| > max (a NaN is not clipped, and keeps its gradient)
-    inside = _from_blocks(~(jnp.abs(b.v) > fmt.element.max), how.g) if how.mask_saturated \
+    inside = from_blocks(~(jnp.abs(b.v) > fmt.element.max), how.g) if how.mask_saturated \
         else None
-    return _rounded_output(y.astype(x.dtype)), inside
+    return rounded_output(y.astype(x.dtype)), inside
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -473,8 +497,8 @@ def fake_quant_operand(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=No
                        strict=True) -> jax.Array:
     """:func:`fake_quant`; ``strict=False`` (a GEMM's operands): ``backend="pallas"`` falls
     back to XLA with a warning where no kernel serves, instead of raising."""
-    x, fmt, g, ax = _validate(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
-                             global_amax=global_amax)
+    x, fmt, g, ax = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding,
+                                    key=key, global_amax=global_amax)
     how = _FakeQuant(fmt, g, rounding, bool(mask_saturated))
     # any 1D block axis can be moved last and back (same blocks, same bits)
     kernel_axis = -1 if tile is None and fmt.granularity == "block" else ax - x.ndim

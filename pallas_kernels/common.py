@@ -17,7 +17,13 @@ what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
 * :func:`hash_uniform` / :func:`stochastic_e2m1`: stochastic rounding onto E2M1 with uniforms
   from a counter-based hash of the element's position and a seed (``jax.random`` does not lower
   inside Triton kernels, docs/kernels.md): unbiased and deterministic per seed, with other bits
-  than ``jax.random``'s.
+  than ``jax.random``'s;
+* :func:`nvfp4_scales`: NVFP4's E4M3 block scales and element multipliers from the block and
+  tensor amaxes, in ``fp4lab.scaling.NVFP4Scale``'s order of operations.
+
+The wrappers' host-side pieces (outside the kernel bodies) are here too: :func:`check_input`,
+:func:`interpret_mode`, :func:`tile_size`, :func:`padded_matrix` and
+:func:`compiler_params`.
 """
 
 from __future__ import annotations
@@ -29,14 +35,17 @@ from jax import lax
 
 from fp4lab.rounding import from_bits, pow2
 
-__all__ = ["abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code", "e2m1_value",
-           "pack_pairs", "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1",
-           "element_index", "FLT_MAX"]
+__all__ = ["bits", "from_bits", "abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code",
+           "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1",
+           "element_index", "nvfp4_scales", "FLT_MAX",
+           # the wrappers' host-side pieces
+           "check_input", "interpret_mode", "tile_size", "padded_matrix", "compiler_params"]
 
 FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def bits(x):
+    """The int32 bit patterns of float32 ``x`` (:func:`from_bits` is the inverse)."""
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
@@ -150,3 +159,68 @@ def element_index(shape, row0, col0, row_stride):
     row = lax.broadcasted_iota(jnp.uint32, shape, 0) + row0.astype(jnp.uint32)
     col = lax.broadcasted_iota(jnp.uint32, shape, 1) + col0.astype(jnp.uint32)
     return row * jnp.uint32(row_stride) + col
+
+
+def nvfp4_scales(bamax, amax, *, interpret: bool):
+    """NVFP4's block scale (float8_e4m3fn) and element multiplier (float32) of blocks whose
+    ``max |x|`` is ``bamax``, in a tensor whose amax is ``amax`` (broadcast to ``bamax``'s
+    shape), with fp4lab.scaling.NVFP4Scale's operations in its order."""
+    s_enc = minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = div(jnp.ones_like(s_enc), s_enc, interpret=interpret)
+    sixth = np.float32(1) / np.float32(6)  # fl(1/6), computed on the host (IEEE)
+    s_b = minimum(minimum(bamax * (s_enc * sixth), FLT_MAX), 448.0)
+    s_b = s_b.astype(jnp.float8_e4m3fn)
+    denom = s_b.astype(jnp.float32) * s_dec
+    enc = minimum(div(jnp.ones_like(denom), denom, interpret=interpret), FLT_MAX)
+    return s_b, enc
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def check_input(x):
+    """Refuse what no quantize kernel takes: a non-floating dtype (TypeError) or an empty
+    array or scalar (ValueError), naming the dtype or shape."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize kernels need a floating-point input, got {x.dtype}")
+    if x.ndim < 1 or x.size == 0:
+        raise ValueError(f"quantize kernels need a non-empty array, got shape {x.shape}")
+
+
+def interpret_mode(interpret: bool | None) -> bool:
+    """Whether to run a kernel in interpret mode: ``interpret`` as given, or when it is None,
+    True off the GPU (CPU tests run the same kernel bodies)."""
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def tile_size(n: int, limit: int, least: int) -> int:
+    """The tile size for an axis of length ``n``: a power of two (Triton arrays have
+    power-of-two shapes), ``least <= t <= limit`` unless ``least > limit`` (then ``least``),
+    and no larger than ``n`` needs."""
+    return max(least, min(limit, _next_power_of_2(n)))
+
+
+def padded_matrix(x, rows_mult: int, cols_mult: int):
+    """``x`` as a 2D ``(rows, cols)`` array (leading axes flattened into rows) zero-padded to
+    multiples of ``rows_mult`` and ``cols_mult``, and that padded shape ``(mp, kp)``."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    m, k = x2.shape
+    mp, kp = -(-m // rows_mult) * rows_mult, -(-k // cols_mult) * cols_mult
+    if (mp, kp) != (m, k):
+        x2 = jnp.pad(x2, ((0, mp - m), (0, kp - k)))
+    return x2, (mp, kp)
+
+
+def compiler_params(cfg, interpret: bool):
+    """The Triton launch parameters of ``cfg`` (a ``pallas_kernels.quantize.KernelConfig``:
+    its ``num_warps`` and ``num_stages``); None in interpret mode, which has none."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -34,9 +34,11 @@ from fp4lab.formats import E2M1, E4M3, E5M2, Format, get_format
 from fp4lab.qarray import QArray
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
-from pallas_kernels.common import (FLT_MAX, abs_bits, abs_max_bits, bits, div, e2m1_code,
-                                   e2m1_value, element_index, from_bits, hash_uniform, minimum,
-                                   pack_pairs, pow2, stochastic_e2m1, unpack_pairs)
+from pallas_kernels.common import (abs_bits, abs_max_bits, bits, check_input, compiler_params,
+                                   e2m1_code, e2m1_value, element_index, from_bits, hash_uniform,
+                                   interpret_mode, minimum, nvfp4_scales, pack_pairs,
+                                   padded_matrix, pow2, stochastic_e2m1, tile_size,
+                                   unpack_pairs)
 
 __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig",
            "KERNELS"]
@@ -69,20 +71,6 @@ DEFAULT_CONFIG = KernelConfig()
 SR_CONFIG = KernelConfig(block_rows=16)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _tile(n: int, limit: int, minimum: int) -> int:
-    """The tile size for an axis of length ``n``: a power of two, ``minimum <= t <= limit``
-    unless ``minimum > limit``, and no larger than ``n`` needs."""
-    return max(minimum, min(limit, _next_power_of_2(n)))
-
-
-def _interpret_default(interpret):
-    return jax.default_backend() != "gpu" if interpret is None else interpret
-
-
 def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | None:
     """``None`` when a quantize kernel of this module serves this request, else why not (the
     refusals of :data:`KERNELS`, as ``fp4lab.backend`` reports them)."""
@@ -95,19 +83,6 @@ def _refusal(r: Request) -> str | None:
 
 
 # ----------------------------------------------------------------------------- kernel bodies
-
-
-def _nvfp4_scales(bamax, amax, *, interpret):
-    """Block scale (E4M3) and element multiplier, in fp4lab.scaling.NVFP4Scale's order."""
-    s_enc = minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
-    s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-    s_dec = div(jnp.ones_like(s_enc), s_enc, interpret=interpret)
-    sixth = np.float32(1) / np.float32(6)  # fl(1/6), computed on the host (IEEE)
-    s_b = minimum(minimum(bamax * (s_enc * sixth), FLT_MAX), 448.0)
-    s_b = s_b.astype(jnp.float8_e4m3fn)
-    denom = s_b.astype(jnp.float32) * s_dec
-    enc = minimum(div(jnp.ones_like(denom), denom, interpret=interpret), FLT_MAX)
-    return s_b, enc
 
 
 def _round_e2m1(v, seed_ref, stochastic, row_stride):
@@ -127,8 +102,8 @@ def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, block, interpre
     tm, tk = x.shape
     xb = x.reshape(tm, tk // block, block)
     amax = amax_ref[...].reshape(1, 1, 1)
-    s_b, enc = _nvfp4_scales(abs_max_bits(xb, 2),
-                             jnp.broadcast_to(amax, (tm, tk // block, 1)), interpret=interpret)
+    s_b, enc = nvfp4_scales(abs_max_bits(xb, 2),
+                            jnp.broadcast_to(amax, (tm, tk // block, 1)), interpret=interpret)
     codes = _round_e2m1((xb * enc).reshape(tm, tk), seed_ref, stochastic, row_stride)
     q_ref[...] = pack_pairs(codes)
     s_ref[...] = s_b.reshape(tm, tk // block)
@@ -143,7 +118,7 @@ def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, tile, int
     x4 = x.reshape(tm // t0, t0, tk // t1, t1)
     bamax = abs_max_bits(abs_max_bits(x4, 3), 1)  # (tm/t0, 1, tk/t1, 1)
     amax = amax_ref[...].reshape(1, 1, 1, 1)
-    s_b, enc = _nvfp4_scales(bamax, jnp.broadcast_to(amax, bamax.shape), interpret=interpret)
+    s_b, enc = nvfp4_scales(bamax, jnp.broadcast_to(amax, bamax.shape), interpret=interpret)
     codes = e2m1_code(x4 * enc).reshape(tm, tk)
     q_ref[...] = pack_pairs(codes)
     qt_ref[...] = pack_pairs(codes.T)
@@ -211,36 +186,11 @@ def _dequantize_kernel(amax_ref, q_ref, s_ref, y_ref, *, fmt: Format, interpret)
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _rows_and_pad(x, rows_mult, cols_mult):
-    """``x`` as a zero-padded 2D (rows, cols) array, and the padded shape."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
-    m, k = x2.shape
-    mp, kp = -(-m // rows_mult) * rows_mult, -(-k // cols_mult) * cols_mult
-    if (mp, kp) != (m, k):
-        x2 = jnp.pad(x2, ((0, mp - m), (0, kp - k)))
-    return x2, (mp, kp)
-
-
-def _compiler_params(cfg: KernelConfig, interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _tensor_amax(x, global_amax):
     """NVFP4's per-tensor amax: one XLA reduction, the reference's own (NaN wins)."""
     if global_amax is not None:
         return jnp.asarray(global_amax, jnp.float32)
     return abs_max(x.astype(jnp.float32))
-
-
-def _check_input(x):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"quantize kernels need a floating-point input, got {x.dtype}")
-    if x.ndim < 1 or x.size == 0:
-        raise ValueError(f"quantize kernels need a non-empty array, got shape {x.shape}")
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "rounding"))
@@ -249,9 +199,9 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
     shape = x.shape
     block = fmt.block
     k_padded = -(-shape[-1] // block) * block  # the reference's padded length
-    tm = _tile(math.prod(shape[:-1]), cfg.block_rows, 1)
-    tk = _tile(k_padded, cfg.block_cols, 32)
-    x2, (mp, kp) = _rows_and_pad(x, tm, tk)
+    tm = tile_size(math.prod(shape[:-1]), cfg.block_rows, 1)
+    tk = tile_size(k_padded, cfg.block_cols, 32)
+    x2, (mp, kp) = padded_matrix(x, tm, tk)
     grid = (mp // tm, kp // tk)
     packed = fmt.element.packed
     q_cols = tk // 2 if packed else tk
@@ -272,14 +222,14 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
             functools.partial(_nvfp4_1d_kernel, block=block, **sr), out_shape=out_shape,
             grid=grid,
             in_specs=[scalar, scalar, x_spec], out_specs=out_specs,
-            interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+            interpret=interpret, compiler_params=compiler_params(cfg, interpret),
             name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), seed, x2)
         global_scale = amax
     else:
         q, s = pl.pallas_call(
             functools.partial(_mx_kernel, fmt=fmt, **sr), out_shape=out_shape, grid=grid,
             in_specs=[scalar, x_spec], out_specs=out_specs,
-            interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+            interpret=interpret, compiler_params=compiler_params(cfg, interpret),
             name=f"fp4lab_{fmt.name}_quantize")(seed, x2)
         global_scale = None
     m = math.prod(shape[:-1])
@@ -304,7 +254,7 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
         config = SR_CONFIG if rounding == "stochastic" else DEFAULT_CONFIG
     fmt = get_format(fmt)
     x = jnp.asarray(x)
-    _check_input(x)
+    check_input(x)
     axis = axis if axis < 0 else axis - x.ndim
     reason = _refusal(Request(op="quantize", format=fmt, shape=x.shape, axis=axis, tile=tile,
                               rounding=rounding))
@@ -312,7 +262,7 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
         raise ValueError(f"no kernel: {reason}")
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs key=jax.random.key(...)")
-    interpret = _interpret_default(interpret)
+    interpret = interpret_mode(interpret)
     if tile is not None:
         if x.ndim == 2:
             return _quantize_2d(x, global_amax, fmt=fmt, tile=tile, cfg=config,
@@ -339,8 +289,8 @@ def _quantize_2d(w, global_amax, *, fmt: Format, tile, cfg: KernelConfig, interp
     t0, t1 = tile
     rp, cp = -(-r // t0) * t0, -(-c // t1) * t1  # the reference's padded shape
     # whole tiles, and the transposed copy packs along rows: both tile sizes at least 32
-    tm, tk = _tile(rp, cfg.block_rows, 32), _tile(cp, cfg.block_cols, 32)
-    w2, (mp, kp) = _rows_and_pad(w, tm, tk)
+    tm, tk = tile_size(rp, cfg.block_rows, 32), tile_size(cp, cfg.block_cols, 32)
+    w2, (mp, kp) = padded_matrix(w, tm, tk)
     amax = _tensor_amax(w, global_amax)
     kernel = functools.partial(_nvfp4_2d_kernel, tile=tile, interpret=interpret)
     scale = fmt.scaling.scale_dtype
@@ -356,7 +306,7 @@ def _quantize_2d(w, global_amax, *, fmt: Format, tile, cfg: KernelConfig, interp
                    pl.BlockSpec((tm // t0, tk // t1), lambda i, j: (i, j)),
                    pl.BlockSpec((tk, tm // 2), lambda i, j: (j, i)),
                    pl.BlockSpec((tk // t1, tm // t0), lambda i, j: (j, i))],
-        interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+        interpret=interpret, compiler_params=compiler_params(cfg, interpret),
         name=f"fp4lab_{fmt.name}_quantize_2d")(amax.reshape(1, 1), w2)
     row = QArray(q[:rp, :cp // 2], s[:rp // t0, :cp // t1], amax, fmt, 1, tile, (r, c))
     col = QArray(qt[:cp, :rp // 2], st[:cp // t1, :rp // t0], amax, fmt, 1, (t1, t0), (c, r))
@@ -370,7 +320,7 @@ def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
     quantize(w.T))`` as :func:`fp4lab.quantize` with ``tile=(16, 16)`` gives them, the second
     being the transposed copy that dgrad reads (the same scales, transposed)."""
     w = jnp.asarray(w)
-    _check_input(w)
+    check_input(w)
     fmt = get_format(fmt)
     if w.ndim != 2:
         raise ValueError(f"quantize_weight_nvfp4 takes a matrix, got shape {w.shape}")
@@ -378,7 +328,7 @@ def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
     if reason:
         raise ValueError(f"no kernel: {reason}")
     return _quantize_2d(w, global_amax, fmt=fmt, tile=tile, cfg=config,
-                        interpret=_interpret_default(interpret))
+                        interpret=interpret_mode(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "cfg", "interpret"))
@@ -389,7 +339,7 @@ def _dequantize_1d(q: QArray, dtype, *, cfg: KernelConfig, interpret: bool):
     data = q.data.reshape(-1, q.data.shape[-1])
     scale = q.scale.reshape(-1, q.scale.shape[-1])
     m = data.shape[0]
-    tm, tk = _tile(m, cfg.block_rows, 1), _tile(k_padded, cfg.block_cols, 32)
+    tm, tk = tile_size(m, cfg.block_rows, 1), tile_size(k_padded, cfg.block_cols, 32)
     mp, kp = -(-m // tm) * tm, -(-k_padded // tk) * tk
     data = jnp.pad(data, ((0, mp - m), (0, (kp // 2 if packed else kp) - data.shape[1])))
     scale = jnp.pad(scale, ((0, mp - m), (0, kp // fmt.block - scale.shape[1])))
@@ -402,7 +352,7 @@ def _dequantize_1d(q: QArray, dtype, *, cfg: KernelConfig, interpret: bool):
                   pl.BlockSpec((tm, q_cols), lambda i, j: (i, j)),
                   pl.BlockSpec((tm, tk // fmt.block), lambda i, j: (i, j))],
         out_specs=pl.BlockSpec((tm, tk), lambda i, j: (i, j)),
-        interpret=interpret, compiler_params=_compiler_params(cfg, interpret),
+        interpret=interpret, compiler_params=compiler_params(cfg, interpret),
         name=f"fp4lab_{fmt.name}_dequantize")(amax.astype(jnp.float32), data, scale)
     return y[:m, :shape[-1]].reshape(shape)
 
@@ -417,7 +367,7 @@ def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
     if reason:
         raise ValueError(f"no kernel: {reason}")
     return _dequantize_1d(q, jnp.dtype(dtype), cfg=config,
-                          interpret=_interpret_default(interpret))
+                          interpret=interpret_mode(interpret))
 
 
 # The requests these kernels serve, as data (fp4lab.backend's table; pallas_kernels.register)

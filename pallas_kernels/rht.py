@@ -48,10 +48,10 @@ from fp4lab.hadamard import rht_signs_and_scale
 from fp4lab.qarray import QArray
 from fp4lab.scaling import NVFP4Scale
 from fp4lab.rounding import abs_max
-from pallas_kernels.common import (abs_max_bits, bits, e2m1_code, from_bits, hash_uniform,
-                                   stochastic_e2m1)
-from pallas_kernels.quantize import (KernelConfig, _check_input, _compiler_params,
-                                     _interpret_default, _nvfp4_scales, _rows_and_pad, _tile)
+from pallas_kernels.common import (abs_max_bits, bits, check_input, compiler_params, e2m1_code,
+                                   from_bits, hash_uniform, interpret_mode, nvfp4_scales,
+                                   padded_matrix, stochastic_e2m1, tile_size)
+from pallas_kernels.quantize import KernelConfig
 
 __all__ = ["rht_quantize_nvfp4"]
 
@@ -87,8 +87,8 @@ def _quantize_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, signs, dtype, s
     y = _transform(x_ref, signs, dtype)
     groups, tk = y[0].shape
     amax = amax_ref[...].reshape(1, 1)
-    s_b, enc = _nvfp4_scales(_group_abs_max(y), jnp.broadcast_to(amax, (groups, tk)),
-                             interpret=interpret)
+    s_b, enc = nvfp4_scales(_group_abs_max(y), jnp.broadcast_to(amax, (groups, tk)),
+                            interpret=interpret)
     if stochastic:  # the position of (feature, token 16 g + j) in the (K, M) output
         group = lax.broadcasted_iota(jnp.uint32, (groups, tk), 0) + (
             pl.program_id(0) * groups).astype(jnp.uint32)
@@ -110,12 +110,12 @@ def _quantize_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, signs, dtype, s
 def _rht_quantize(x, key, global_amax, *, fmt, rounding, signs, cfg: KernelConfig, interpret):
     m, k = x.shape
     m16 = -(-m // 16) * 16  # the reference's transformed (padded) token length
-    tm, tk = _tile(m16, cfg.block_rows, 16), _tile(k, cfg.block_cols, 16)  # tm = 16 G
-    x2, (mp, kp) = _rows_and_pad(x, tm, tk)
+    tm, tk = tile_size(m16, cfg.block_rows, 16), tile_size(k, cfg.block_cols, 16)  # tm = 16 G
+    x2, (mp, kp) = padded_matrix(x, tm, tk)
     sign_vector = tuple(float(v) for v in rht_signs_and_scale(16, signs)[0])
     grid = (mp // tm, kp // tk)
     x_spec = pl.BlockSpec((tm, tk), lambda i, j: (i, j))
-    params = _compiler_params(cfg, interpret)
+    params = compiler_params(cfg, interpret)
     if global_amax is None:
         tiles = pl.pallas_call(
             functools.partial(_amax_kernel, signs=sign_vector, dtype=x.dtype),
@@ -152,7 +152,7 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
     (see module docstring); ``x`` is ``(tokens, features)``; ``key`` is required for
     stochastic rounding."""
     x = jnp.asarray(x)
-    _check_input(x)
+    check_input(x)
     if x.ndim != 2:
         raise ValueError(f"rht_quantize_nvfp4 takes a (tokens, features) matrix, got shape "
                          f"{x.shape}")
@@ -167,7 +167,7 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
         raise ValueError(f"no kernel: {reason}")
     rht_signs_and_scale(16, signs)  # validates signs
     return _rht_quantize(x, key, global_amax, fmt=fmt, rounding=rounding, signs=signs,
-                         cfg=config, interpret=_interpret_default(interpret))
+                         cfg=config, interpret=interpret_mode(interpret))
 
 
 def _kernel_fn(x, fmt, key, *, rounding, signs):

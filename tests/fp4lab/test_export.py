@@ -194,7 +194,7 @@ def test_safetensors_files_carry_their_dtypes(tmp_path):
                                            "shape": [32, 4]}
     assert header["head.weight_global_scale"]["dtype"] == "F32"
     amax = float(jnp.max(jnp.abs(_params()["params"]["head"]["kernel"].astype(jnp.bfloat16))))
-    tensors, _ = export._read_safetensors(tmp_path / "ct" / "model.safetensors")
+    tensors, _ = export.read_safetensors(tmp_path / "ct" / "model.safetensors")
     assert tensors["head.weight_global_scale"][0] == np.float32(2688) / np.float32(amax)
     assert tensors["head.weight_scale"].dtype == ml_dtypes.float8_e4m3fn
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]

@@ -211,7 +211,7 @@ DEFENCES = {
         ((quantize_module, "_opaque_scales", lambda s, a: (s, a)), ["nvfp4"],
          "constant"),
     "rounded dequantized output":
-        ((quantize_module, "_rounded_output", lambda y: y), ["nvfp4", "fp8_e4m3", "int8"],
+        ((quantize_module, "rounded_output", lambda y: y), ["nvfp4", "fp8_e4m3", "int8"],
          "consumer"),
 }
 

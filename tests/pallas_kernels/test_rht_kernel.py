@@ -8,8 +8,9 @@ from kernel_helpers import assert_same_qarray
 
 import fp4lab
 from fp4lab.hadamard import rht
+from pallas_kernels.common import hash_uniform
 from pallas_kernels.quantize import KernelConfig
-from pallas_kernels.rht import hash_uniform, rht_quantize_nvfp4
+from pallas_kernels.rht import rht_quantize_nvfp4
 
 SMALL = KernelConfig(block_rows=32, block_cols=32)
 
