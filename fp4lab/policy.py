@@ -174,6 +174,7 @@ class Assignment:
     recipe: Recipe | None  # None: an intercepted call no op rule quantizes
     rule: int | None  # index of the rule that matched; None = default
     stack: tuple[int, ...] = ()  # blocks stacked for a scan, one recipe for all of them
+    compute_dtype: str | None = None  # the dtype W had at the GEMM, where a trace saw it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ every ``nn.Dense`` and ``nn.DenseGeneral`` (through their ``dot_general`` hook) 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 
@@ -20,8 +21,9 @@ from flax.core import lift
 from flax.core.scope import in_filter
 
 from fp4lab.delayed import init_history
-from fp4lab.flax.ops import NONE_FOUND, CallCounter, OpCalls, quantized_call, runs_as_written
-from fp4lab.policy import OP_KINDS, PrecisionPolicy, check_unused, explain
+from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, quantized_call,
+                             runs_as_written, trace_abstractly)
+from fp4lab.policy import OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused
 from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
@@ -71,6 +73,18 @@ def _broadcast_around(module: nn.Module) -> str | None:
     return None
 
 
+# while QuantizedLinen.assignments traces apply: {GEMM path: the dtype of its W operand}
+_recording: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fp4lab_recording",
+                                                                         default=None)
+
+
+def _note(path: str, w) -> None:
+    """Record the dtype W has at the GEMM at ``path`` (only while recording)."""
+    seen = _recording.get()
+    if seen is not None:
+        seen[path] = jnp.result_type(w).name
+
+
 def _linen_key(module: nn.Module, recipe: Recipe):
     """The layer's stochastic-rounding key (None if its recipe has no SR), from its "quant" rng."""
     if not recipe.needs_key:
@@ -84,7 +98,7 @@ def _linen_key(module: nn.Module, recipe: Recipe):
                              "rng (correlated rounding noise across iterations): pass "
                              "split_rngs={..., 'quant': True}")
         return module.make_rng("quant")
-    if module.is_initializing():  # init's outputs only fix shapes; any key will do
+    if module.is_initializing() or _recording.get() is not None:  # shapes only: any key
         return jax.random.key(0)
     if any(m.scope is not None and m.scope.has_rng("quant") for m in _module_stack()):
         raise ValueError(f"{where}, but the 'quant' rng given to apply does not reach it: a "
@@ -109,7 +123,7 @@ def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
         return None
     if module.has_variable("amax_history", name):
         return module.get_variable("amax_history", name)
-    if module.is_initializing():  # init's outputs only fix shapes
+    if module.is_initializing() or _recording.get() is not None:  # shapes only
         return init_history(recipe.delayed)
     where = "/".join(module.scope.path) + ("" if name == "gemm" else f"/{name}")
     raise ValueError(f"{where} uses recipe {recipe.name} with delayed scaling: pass its amax "
@@ -124,6 +138,7 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None):
+        _note("/".join(module.scope.path), rhs)
         return qdot_general(lhs, rhs, dimension_numbers, recipe,
                             key=_linen_key(module, recipe), probe=_linen_probe(module),
                             amax_history=_linen_history(module, recipe), backend=backend,
@@ -150,6 +165,7 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
         bias_shape, broadcast_shape = module._get_bias_shape(spec, inputs, kernel)
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    _note("/".join(module.scope.path), kernel)
     y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
                 probe=_linen_probe(module), amax_history=_linen_history(module, recipe),
                 backend=backend, preferred_element_type=module.preferred_element_type)
@@ -253,6 +269,7 @@ class QuantizedLinen:
     backend: str = "auto"  # fp4lab.backend: which implementation quantizes
     strict: bool = False
     _checked: bool = dataclasses.field(default=False, repr=False, compare=False)
+    _records: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def init(self, *args, **kwargs):
         return self.model.init(*args, **kwargs)
@@ -262,8 +279,18 @@ class QuantizedLinen:
             p for p, _ in param_layers(variables))
 
     def apply(self, variables, *args, **kwargs):
+        out, met = self._apply(variables, args, kwargs)
+        if self.strict or not self._checked:
+            self._checked = True
+            check_unused(self.policy, [a for a in met.values() if a.recipe is not None],
+                         strict=self.strict, stacklevel=2, none_found=NONE_FOUND)
+        return out
+
+    def _apply(self, variables, args, kwargs) -> tuple[object, dict[str, Assignment]]:
+        """``model.apply`` with every governed call quantized, and what each GEMM it met got
+        (in call order; an intercepted call no op rule quantizes: recipe ``None``)."""
         num_blocks = self._num_blocks(variables)
-        met: dict[str, object] = {}
+        met: dict[str, Assignment] = {}
 
         def intercept(next_fun, args, kwargs, context):
             m = context.module
@@ -282,10 +309,10 @@ class QuantizedLinen:
                 return original(*args, **kwargs)
             module, name, op_path = found
             a = self.policy.assign_op(op_path, kind, num_blocks)
-            if a is None:
-                return original(*args, **kwargs)
-            met[op_path] = a
-            if runs_as_written(a.recipe, kind, args):
+            met[op_path] = a or Assignment(op_path, kind, self.policy.block_of(op_path),
+                                           None, None)
+            _note(op_path, operand_w(kind, args))
+            if a is None or runs_as_written(a.recipe, kind, args):
                 return original(*args, **kwargs)
             return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
                                  kwargs)
@@ -294,78 +321,71 @@ class QuantizedLinen:
             stack.enter_context(nn.intercept_methods(intercept))
             if self.policy.governs_ops:
                 stack.enter_context(OpCalls.intercepted(op))
-            out = self.model.apply(variables, *args, **kwargs)
-        if self.strict or not self._checked:
-            self._checked = True
-            check_unused(self.policy, met.values(), strict=self.strict, stacklevel=2,
-                         none_found=NONE_FOUND)
-        return out
+            return self.model.apply(variables, *args, **kwargs), met
+
+    def assignments(self, variables, *args, **kwargs) -> ExplainTable:
+        """What each GEMM of ``apply(variables, *args, **kwargs)`` gets, in call order, as
+        ``apply`` assigns it (path, kind, block, recipe, rule, and the dtype its W operand
+        has there): ``apply`` traced once, abstractly, per shape of its inputs. Print it for
+        a table. Probes, amax histories, ``explain`` and export read this record."""
+        leaves, treedef = jax.tree.flatten((variables, args, kwargs))
+        key = (treedef, tuple((v.shape, str(v.dtype)) if hasattr(v, "shape") else repr(v)
+                              for v in leaves))
+        if key not in self._records:
+            seen: dict[str, str] = {}
+            met: dict[str, Assignment] = {}
+
+            def run(variables, *args, **kwargs):
+                out, found = self._apply(variables, args, kwargs)
+                met.update(found)
+                return out
+
+            token = _recording.set(seen)
+            try:
+                trace_abstractly(run, (variables, *args), kwargs)
+            finally:
+                _recording.reset(token)
+            rows = [dataclasses.replace(a, compute_dtype=seen.get(p)) for p, a in met.items()]
+            used = {a.rule for a in rows if a.recipe is not None}
+            self._records[key] = ExplainTable(
+                rows, self.policy, [i for i in range(len(self.policy.rules)) if i not in used])
+        return self._records[key]
 
     def layers(self, variables, *args, **kwargs) -> list[tuple[str, str]]:
-        """``(path, kind)`` of every layer the policy governs, in call order, found by
-        tracing ``apply`` abstractly (no computation) with the given inputs."""
-        found: dict[str, str] = {}
-
-        def record(next_fun, args, kwargs, context):
-            kind = KINDS.get(type(context.module))
-            if context.method_name == "__call__" and kind is not None:
-                found.setdefault("/".join(context.module.scope.path), kind)
-            return next_fun(*args, **kwargs)
-
-        namer = _OpNamer()
-
-        def record_op(kind, original, args, kwargs):
-            named = namer(kind, args, kwargs)
-            if named is not None:
-                found.setdefault(named[2], kind)
-            return original(*args, **kwargs)
-
-        def run(variables, *args):
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(nn.intercept_methods(record))
-                if self.policy.governs_ops:
-                    stack.enter_context(OpCalls.intercepted(record_op))
-                return self.model.apply(variables, *args, **kwargs)
-
-        jax.eval_shape(run, variables, *args)
-        return list(found.items())
+        """``(path, kind)`` of every layer the policy governs, and every intercepted call
+        (with op rules), in call order (:meth:`assignments`)."""
+        return [(a.path, a.kind) for a in self.assignments(variables, *args, **kwargs)]
 
     def probe_zeros(self, variables, *args, **kwargs) -> dict:
         """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.probes.probe_zeros`
-        per governed layer. Pass ``{**variables, "probes": probes}`` and differentiate the loss
+        per quantized GEMM. Pass ``{**variables, "probes": probes}`` and differentiate the loss
         with respect to ``probes``: its gradient holds every layer's GEMM-operand numerics
         (rows: ``fp4lab.recipe.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
         out: dict = {}
-        for path, kind in self.layers(variables, *args, **kwargs):
-            _put(out, path, kind, probe_zeros())
+        for a in self.assignments(variables, *args, **kwargs):
+            if a.recipe is not None:
+                _put(out, a.path, a.kind, probe_zeros())
         return out
 
     def history_init(self, variables, *args, **kwargs) -> dict:
-        """The first ``"amax_history"`` collection for :meth:`apply`: for every governed
-        layer whose recipe uses delayed scaling (``fp8_delayed``), its
-        ``fp4lab.delayed.init_history``, nested like the parameters. Pass
-        ``{**variables, "amax_history": h}``, differentiate the loss with respect to ``h``
-        too, and ``fp4lab.delayed.update(h, grad)`` gives the next step's."""
-        num_blocks = self._num_blocks(variables)
+        """The first ``"amax_history"`` collection for :meth:`apply`: for every GEMM whose
+        recipe uses delayed scaling (``fp8_delayed``), its ``fp4lab.delayed.init_history``,
+        nested like the parameters. Pass ``{**variables, "amax_history": h}``, differentiate
+        the loss with respect to ``h`` too, and ``fp4lab.delayed.update(h, grad)`` gives the
+        next step's."""
         out: dict = {}
-        for path, kind in self.layers(variables, *args, **kwargs):
-            if kind in OP_KINDS:
-                a = self.policy.assign_op(path, kind, num_blocks)
-                recipe = None if a is None else a.recipe
-            else:
-                recipe = self.policy.recipe_for(path, kind, num_blocks)
-            if recipe is not None and recipe.delayed is not None:
-                _put(out, path, kind, init_history(recipe.delayed))
+        for a in self.assignments(variables, *args, **kwargs):
+            if a.recipe is not None and a.recipe.delayed is not None:
+                _put(out, a.path, a.kind, init_history(a.recipe.delayed))
         return out
 
-    def explain(self, variables, *args, strict: bool | None = None, **kwargs):
-        """:func:`~fp4lab.policy.explain` over :meth:`layers` (true paths and kinds);
-        ``strict`` defaults to the wrapper's."""
-        return explain(self.policy, self.layers(variables, *args, **kwargs),
-                       num_blocks=self._num_blocks(variables),
-                       strict=self.strict if strict is None else strict)
-
-
+    def explain(self, variables, *args, strict: bool | None = None, **kwargs) -> ExplainTable:
+        """:meth:`assignments`; with ``strict`` (default: the wrapper's) a required rule that
+        matched nothing is an error."""
+        table = self.assignments(variables, *args, **kwargs)
+        if self.strict if strict is None else strict:
+            check_unused(self.policy, [a for a in table if a.recipe is not None], strict=True)
+        return table
 
 
 def _put(tree: dict, path: str, kind: str, value) -> None:

@@ -20,7 +20,8 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from fp4lab.delayed import init_history, update
-from fp4lab.flax.ops import CallCounter, OpCalls, quantized_call, runs_as_written
+from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_written,
+                             trace_abstractly)
 from fp4lab.probes import probe_table, probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
@@ -348,9 +349,6 @@ def find_op_calls(model: nnx.Module, args=(), kwargs=None
     ``nnx.scan`` makes its calls once, from one slice: the stack shape is the leading axes its
     variables have outside the scan. Array leaves of the inputs (or ``jax.ShapeDtypeStruct``)
     are traced; other leaves (flags, strings) pass as they are."""
-    kwargs = kwargs or {}
-    leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
-    is_array = [isinstance(v, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for v in leaves]
     modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
     found: list[tuple[str, str, str, tuple[int, ...]]] = []
 
@@ -359,16 +357,13 @@ def find_op_calls(model: nnx.Module, args=(), kwargs=None
         if path is not None:
             found.append((path, name, kind, _stacked_by(modules[path], sub)))
 
-    def run(m, arrays):
-        it = iter(arrays)
-        a, k = jax.tree.unflatten(treedef, [next(it) if arr else v
-                                            for v, arr in zip(leaves, is_array)])
+    def run(m, *a, **k):
         return _call(type(m).__call__, m, a, k, record)
 
     for path, m in modules.items():
         setattr(m, _PATH_ATTR, path)
     try:
-        nnx.eval_shape(run, model, [v for v, arr in zip(leaves, is_array) if arr])
+        trace_abstractly(run, args, kwargs, nodes=(model,), eval_shape=nnx.eval_shape)
     finally:
         for m in modules.values():
             delattr(m, _PATH_ATTR)

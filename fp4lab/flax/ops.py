@@ -14,16 +14,44 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe
 
-__all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND"]
+__all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
+           "trace_abstractly", "operand_w"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
               "(NNX) layer, and only jnp.einsum / lax.dot_general calls are intercepted, by "
               "rules of those op kinds (x @ w, jnp.matmul and jnp.dot never are)")
+
+
+def _is_array(v) -> bool:
+    return isinstance(v, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def trace_abstractly(fn, args=(), kwargs=None, *, nodes=(), eval_shape=jax.eval_shape):
+    """``eval_shape(fn, *nodes, *args, **kwargs)`` with only the array leaves of ``args`` and
+    ``kwargs`` (``jax.ShapeDtypeStruct`` too) traced; other leaves (flags, strings,
+    ``mutable=``) pass as they are. ``nodes`` go first, as ``eval_shape`` takes them (an NNX
+    model with ``nnx.eval_shape``). ``fn`` runs once, abstractly: no computation."""
+    leaves, treedef = jax.tree.flatten((tuple(args), kwargs or {}))
+    arrays = [v for v in leaves if _is_array(v)]
+
+    def run(*nodes_and_arrays):
+        *nodes, arrays = nodes_and_arrays
+        it = iter(arrays)
+        a, k = jax.tree.unflatten(treedef, [next(it) if _is_array(v) else v for v in leaves])
+        return fn(*nodes, *a, **k)
+
+    return eval_shape(run, *nodes, arrays)
+
+
+def operand_w(kind: str, args):
+    """The operand of an intercepted call that plays W (the second)."""
+    return args[2] if kind == "jnp.einsum" else args[1]
 
 
 class OpCalls:
@@ -97,7 +125,7 @@ def runs_as_written(recipe: Recipe, kind: str, args) -> bool:
     model computing in BF16 is that model, bit for bit (MaxText's unquantized losses)."""
     if not recipe.is_identity or recipe.needs_key or recipe.delayed is not None:
         return False
-    operands = args[1:3] if kind == "jnp.einsum" else args[:2]
+    operands = (args[1] if kind == "jnp.einsum" else args[0]), operand_w(kind, args)
     dtypes = {jnp.dtype(o.format.element.storage) for o in recipe.operands.values()}
     return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes for a in operands)
 
