@@ -1,7 +1,12 @@
 """The benchmark scripts still run (tiny sizes, interpret mode; no timing is asserted)."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from environments import MAXTEXT, python_of
 
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
@@ -20,3 +25,25 @@ def test_benchmark_scripts_run_in_smoke_mode(capsys, monkeypatch):
     assert "mxfp8" in out.splitlines()[-1]
     sys.modules.pop("kernels", None)
     sys.modules.pop("train_step", None)
+
+
+@pytest.mark.slow
+def test_maxtext_step_benchmark_runs_each_kind_of_variant(tmp_path):
+    """benchmarks/maxtext_step.py in MaxText's environment, one round of 3 steps of a 1-layer
+    model: the baseline, an fp4lab policy and MaxText's qwix quantization all run, and the
+    JSON holds their kept step times and the table."""
+    out = tmp_path / "step.json"
+    cmd = [str(python_of(MAXTEXT)), str(BENCH / "maxtext_step.py"), "--variants",
+           "maxtext,fp4lab:all:bf16,qwix:int8", "--rounds", "1", "--steps", "3", "--emb", "64",
+           "--mlp", "128", "--layers", "1", "--heads", "2", "--head-dim", "32", "--seq", "64",
+           "--out", str(out)]
+    with (tmp_path / "out").open("w") as stdout, (tmp_path / "err").open("w") as stderr:
+        code = subprocess.run(cmd, stdout=stdout, stderr=stderr, timeout=300,
+                              cwd=tmp_path).returncode
+    assert code == 0, (tmp_path / "err").read_text()[-3000:]
+    result = json.loads(out.read_text())
+    assert [len(r) for r in result["steps_s"].values()] == [1, 1, 1]  # one round each
+    assert all(len(r[0]) == 1 for r in result["steps_s"].values())  # 3 steps, 2 dropped
+    assert not any(row["error"] for row in result["rows"])
+    assert "| qwix:int8 |" in result["table"]
+    assert "| fp4lab:all:bf16 |" in (tmp_path / "out").read_text()
