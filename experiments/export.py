@@ -24,7 +24,8 @@ import numpy as np
 from experiments import policies
 from experiments.cli import command
 from experiments.model import HybridLM
-from experiments.rollout import load_run, token_log_probs
+from experiments.rollout import token_log_probs
+from experiments.runs import load_run, validation_tokens
 from fp4lab import export as fp4lab_export
 from fp4lab.flax import quantize_model
 
@@ -33,10 +34,11 @@ __all__ = ["export_run", "validation_loss", "with_weights", "main"]
 
 def export_run(workdir, layout: str, out, *, policy: str | None = None):
     """Write the run in ``workdir`` as ``layout`` to ``out``; returns the path."""
-    config, params, _ = load_run(workdir)
+    run = load_run(workdir)
+    config = run.config
     name = policy or config.precision.policy
     return fp4lab_export.export(
-        {"params": params}, policies.get(name), out, layout,
+        {"params": run.params}, policies.get(name), out, layout,
         compute_dtype=jnp.dtype(config.model.dtype),
         metadata={"run": str(workdir), "policy_name": name, "seed": config.seed})
 
@@ -70,12 +72,10 @@ def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 
         cfg = dataclasses.replace(cfg, dtype=str(jnp.dtype(dtype)))
     model = quantize_model(HybridLM(cfg), policies.get(policy) if isinstance(policy, str)
                            else policy)
-    d = config.data
-    val = data.val_batches(batches, d.batch_size, d.seq_len)
-    tokens = jnp.asarray(np.concatenate([b.tokens for b in val]))
+    inputs, targets = validation_tokens(config, data, batches)
     logits = jax.jit(lambda p, t: model.apply({"params": p}, t, rngs={
-        "quant": jax.random.key(0)})[0])(params, tokens[:, :-1])
-    return -float(jnp.mean(token_log_probs(logits, tokens[:, 1:])))
+        "quant": jax.random.key(0)})[0])(params, inputs)
+    return -float(jnp.mean(token_log_probs(logits, targets)))
 
 
 @command

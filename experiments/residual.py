@@ -32,7 +32,8 @@ from experiments import policies
 from experiments.cli import command
 from experiments.model import RESIDUAL_FORMATS, HybridLM, residual_probes
 from experiments.records import write_report
-from experiments.rollout import analysis_parser, load_run, token_log_probs
+from experiments.rollout import token_log_probs
+from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 
@@ -45,14 +46,12 @@ def measure_run(workdir, *, batches: int = 2, storages=STORAGES) -> list[dict]:
     """One record per storage format of the run in ``workdir``."""
     from experiments.step import model_config
 
-    config, params, data = load_run(workdir)
-    d = config.data
-    cfg = model_config(config, data)
-    val = data.val_batches(batches, d.batch_size, d.seq_len)
-    tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
-    targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
+    run = load_run(workdir)
+    config = run.config
+    cfg = model_config(config, run.data)
+    tokens, targets = validation_tokens(config, run.data, batches)
     rngs = {"quant": jax.random.key(config.seed)}
-    variables = {"params": params}
+    variables = {"params": run.params}
 
     def model(fmt):
         return quantize_model(HybridLM(dataclasses.replace(cfg, residual_format=fmt)),

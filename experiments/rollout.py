@@ -33,28 +33,25 @@ multiplicative error) are written atomically to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.records import write_report
+from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 from fp4lab.mismatch import mismatch_metrics
 from fp4lab.policy import PrecisionPolicy, Rule
 
-__all__ = ["GROUPS", "PRECISIONS", "load_run", "rollout_policy", "token_log_probs",
-           "sample_tokens", "measure_run", "report", "main"]
+__all__ = ["GROUPS", "PRECISIONS", "rollout_policy", "token_log_probs", "sample_tokens",
+           "measure_run", "report", "main"]
 
 PRECISIONS = ("fp8_blockwise", "mxfp8", "nvfp4", "fp16")
 GROUPS = {  # layer paths of experiments.model.HybridLM
@@ -64,33 +61,6 @@ GROUPS = {  # layer paths of experiments.model.HybridLM
     "head": r"(?:mtp_)?head",
 }
 MODES = ("teacher", "sampled")
-
-
-def load_run(workdir) -> tuple[ml_collections.ConfigDict, dict, object]:
-    """A finished run's config, the parameters of its latest checkpoint, and its data."""
-    from experiments.train import _build, _Checkpoints
-
-    workdir = Path(workdir).resolve()  # orbax reads absolute paths only
-    stored = workdir / "config.json"
-    if not stored.exists():
-        raise FileNotFoundError(f"{str(workdir)!r} holds no run (no config.json)")
-    config = ml_collections.ConfigDict(json.loads(stored.read_text()))
-    ckpt = _Checkpoints(workdir)
-    if ckpt.latest() is None:
-        raise FileNotFoundError(f"{str(workdir)!r} has no checkpoint to read parameters from")
-    setup = _build(config, None)
-    return config, ckpt.restore(setup.state).params, setup.data
-
-
-def analysis_parser(description: str, *, out: str, batches: int) -> argparse.ArgumentParser:
-    """The command line every analysis of trained runs shares: ``--run`` (repeated, one per
-    seed), ``--out`` and ``--batches`` (validation batches measured)."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--run", action="append", required=True, help="a finished run's folder "
-                    "(repeat for several seeds)")
-    ap.add_argument("--out", default=out)
-    ap.add_argument("--batches", type=int, default=batches, help="validation batches measured")
-    return ap
 
 
 def rollout_policy(precision: str, group: str) -> PrecisionPolicy:
@@ -151,14 +121,13 @@ def measure_run(workdir, *, batches: int = 4, sample: int = 0,
     """Mismatch metrics of one run: a record per mode, precision and group."""
     from experiments.step import model_config
 
-    config, params, data = load_run(workdir)
+    run = load_run(workdir)
+    config, params, data = run.config, run.params, run.data
     d = config.data
     if sample and not 0 < sample < d.seq_len:
         raise ValueError(f"--sample {sample} must be in (0, data.seq_len={d.seq_len})")
-    val = data.val_batches(batches, d.batch_size, d.seq_len)
     cfg = model_config(config, data)  # the model as the run trained it
-    tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
-    targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
+    tokens, targets = validation_tokens(config, data, batches)
     trainer = _forward(cfg, "bf16", "all")
     logp_train = token_log_probs(trainer(params, tokens), targets)
     key = jax.random.key(config.seed)

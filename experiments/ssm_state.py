@@ -35,7 +35,8 @@ import numpy as np
 from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.records import write_report
-from experiments.rollout import analysis_parser, load_run, sample_tokens, token_log_probs
+from experiments.rollout import sample_tokens, token_log_probs
+from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
 from fp4lab.flax import quantize_model
 
@@ -67,16 +68,15 @@ def measure_run(workdir, *, batches: int = 2, sample: int = 0, variants=VARIANTS
     """One record per state format and rounding of the run in ``workdir``."""
     from experiments.step import model_config
 
-    config, params, data = load_run(workdir)
+    run = load_run(workdir)
+    config, params, data = run.config, run.params, run.data
     d = config.data
     if sample and not 0 < sample < d.seq_len:
         raise ValueError(f"--sample {sample} must be in (0, data.seq_len={d.seq_len})")
     cfg = model_config(config, data)
     if "M" not in cfg.pattern:
         raise ValueError(f"model.pattern={cfg.pattern!r} has no Mamba block")
-    val = data.val_batches(batches, d.batch_size, d.seq_len)
-    tokens = jnp.asarray(np.concatenate([b.tokens[:, :-1] for b in val]))
-    targets = jnp.asarray(np.concatenate([b.tokens[:, 1:] for b in val]))
+    tokens, targets = validation_tokens(config, data, batches)
     key = jax.random.key(config.seed)
     ref_fn = _model(cfg, "fp32", "nearest", key)
     ref_logits = ref_fn(params, tokens)

@@ -28,7 +28,7 @@ records and summaries in ``experiments.probes``. What a run does:
   vocabulary (the data's when larger, as for token files) and the policy's rules and their
   hash (``precision.policy_rules``, ``precision.policy_sha256``). A policy is identified by
   what it says, not by its name or path: a run whose ``file:`` policy was edited since is
-  refused like one with another config (and so is reading it back, ``rollout.load_run``);
+  refused like one with another config (and so is reading it back, ``runs.load_run``);
 * a config no run can train (a size of 0, a negative step count, a fraction outside [0, 1],
   an unknown backend) is refused before anything is loaded (:func:`check_config`);
 * Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
@@ -93,8 +93,9 @@ from fp4lab.flax import quantize_model
 from fp4lab.policy import PrecisionPolicy, policy_to_dict
 
 __all__ = ["train", "main", "check_config", "check_data", "resolve_policy", "config_record",
-           "stored_changes", "describe_changes", "TrainingDiverged", "TrainingInterrupted",
-           "TrainState", "make_optimizer", "make_step", "model_config", "read_jsonl"]
+           "stored_changes", "describe_changes", "restore_params", "TrainingDiverged",
+           "TrainingInterrupted", "TrainState", "make_optimizer", "make_step", "model_config",
+           "read_jsonl"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -389,10 +390,29 @@ class _Checkpoints:
         abstract = jax.tree.map(self._ocp.utils.to_shape_dtype_struct, like)
         return self.manager.restore(self.latest(), args=self._ocp.args.StandardRestore(abstract))
 
+    def restore_params(self, like: dict) -> dict:
+        """The latest checkpoint's ``TrainState.params`` alone (see :func:`restore_params`)."""
+        ocp, device = self._ocp, jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device), like)
+        return self.manager.restore(self.latest(), args=ocp.args.PyTreeRestore(
+            item={"params": like}, restore_args={"params": args}, partial_restore=True))["params"]
+
     def remove_partial(self):
         """What an interrupted save may have left behind."""
         for tmp_dir in self.dir.glob("*orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def restore_params(workdir, like: dict) -> dict:
+    """The parameters (``TrainState.params``) of the latest checkpoint of the run in
+    ``workdir``, read alone: no optimizer or other state is built or read. ``like`` is their
+    tree of shapes and dtypes (``jax.eval_shape`` of the model's init); the arrays come back
+    on the default device. FileNotFoundError if ``workdir`` holds no checkpoint."""
+    workdir = Path(workdir).resolve()  # orbax reads absolute paths only
+    ckpt = _Checkpoints(workdir) if (workdir / "ckpt").is_dir() else None
+    if ckpt is None or ckpt.latest() is None:
+        raise FileNotFoundError(f"{str(workdir)!r} has no checkpoint to read parameters from")
+    return ckpt.restore_params(like)
 
 
 def _check_resume(workdir: Path, setup: _Setup, policy: str, allow_changes) -> dict:

@@ -1,8 +1,8 @@
-"""The analyses of a trained tiny run: experiments.rollout (the mismatch of rollout precisions
-against the BF16 trainer; sampling; bad settings), experiments.ssm_state and
-experiments.residual. They share one run, trained 8 steps with BF16 GEMMs and a gated
-residual stream stored in E4M3 with per-token scales (which the rollout and state analyses
-carry along, as a user's run would)."""
+"""The analyses of a trained tiny run: experiments.runs (the run read back),
+experiments.rollout (the mismatch of rollout precisions against the BF16 trainer; sampling;
+bad settings), experiments.ssm_state and experiments.residual. They share one run, trained 8
+steps with BF16 GEMMs and a gated residual stream stored in E4M3 with per-token scales (which
+the rollout and state analyses carry along, as a user's run would)."""
 
 import json
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import rollout
+from experiments import rollout, runs
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,33 @@ def test_rollout_mismatch_of_a_trained_run(trained, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--sample 32"):
         rollout.measure_run("run", sample=tiny.data.seq_len)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        rollout.load_run(tmp_path)
+        runs.load_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_reads_back_the_parameters_training_saved(trained, tmp_path):
+    import orbax.checkpoint as ocp
+
+    tiny, folder = trained
+    run = runs.load_run(folder)
+    assert run.workdir == folder.resolve() and run.config.seed == tiny.seed
+    # the whole TrainState as orbax stored it (no target: nothing of the loader's)
+    saved = ocp.StandardCheckpointer().restore(folder.resolve() / "ckpt" / "8" / "default")
+    assert set(saved) >= {"params", "opt_state", "step"} and int(saved["step"]) == 8
+    assert jax.tree.structure(run.params) == jax.tree.structure(saved["params"])
+    for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(saved["params"])):
+        assert got.dtype == want.dtype == jnp.float32
+        np.testing.assert_array_equal(got, want)
+    inputs, targets = runs.validation_tokens(run.config, run.data, 2)
+    d = tiny.data
+    assert inputs.shape == targets.shape == (2 * d.batch_size, d.seq_len)
+    assert inputs.dtype == targets.dtype == jnp.int32
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    val = run.data.val_batches(2, d.batch_size, d.seq_len)
+    np.testing.assert_array_equal(targets, np.concatenate([b.tokens[:, 1:] for b in val]))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+        runs.load_run(tmp_path)
 
 
 def test_sampling_keeps_the_prompt_and_returns_the_sampled_log_probs():

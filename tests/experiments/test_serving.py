@@ -19,7 +19,7 @@ import pytest
 from environments import CONSUMERS, python_of
 
 from experiments.export import export_run, validation_loss, with_weights
-from experiments.rollout import load_run
+from experiments.runs import load_run
 from fp4lab import export
 from fp4lab.policy import all_layers
 from fp4lab.recipe import OperandQuant, Recipe
@@ -40,7 +40,8 @@ def test_a_qat_model_served_from_gguf_has_its_qat_loss(qat_run, tmp_path):
     gguf = pytest.importorskip("gguf")
     from gguf import quants
 
-    config, params, data = load_run(qat_run)
+    run = load_run(qat_run)
+    config, params, data = run.config, run.params, run.data
     qat = validation_loss(config, params, data, "all:q4_0_qat", dtype=jnp.float32)
     path = export.export({"params": params}, "q4_0_qat", tmp_path / "m.gguf", "gguf",
                          compute_dtype=jnp.float32)
@@ -79,7 +80,8 @@ def test_the_same_model_served_by_transformers_and_compressed_tensors(
     scale products, test_export_consumers.py), and so does the loss, to 1e-6."""
     root = Path(__file__).parents[2]
     py = python_of(CONSUMERS)
-    config, params, data = load_run(qat_run)
+    run = load_run(qat_run)
+    config, params, data = run.config, run.params, run.data
     ref = validation_loss(config, params, data, f"all:{recipe}", dtype=jnp.float32)
     export.export({"params": params}, recipe, tmp_path / layout, layout,
                   compute_dtype=jnp.float32)

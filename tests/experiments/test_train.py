@@ -334,7 +334,7 @@ def test_a_run_under_an_edited_policy_file_is_refused_on_resume_and_by_its_analy
         tiny, text, tmp_path):
     """A run interrupted and resumed after its ``file:`` policy was edited continued under
     the new file without a word; its config.json now holds the policy's rules and hash."""
-    from experiments.rollout import load_run
+    from experiments.runs import load_run
     from fp4lab.policy import all_layers, save_policy
 
     policy = tmp_path / "policy.json"
@@ -354,4 +354,4 @@ def test_a_run_under_an_edited_policy_file_is_refused_on_resume_and_by_its_analy
     with pytest.raises(ValueError, match=changed + r".*its config.json \(precision.policy_"):
         load_run(tmp_path / "run")  # rollout, residual, ssm_state and export read runs so
     save_policy(all_layers("mxfp8"), policy)  # as it was: the run is its own again
-    assert load_run(tmp_path / "run")[0].precision.policy_sha256 == r["policy_sha256"]
+    assert load_run(tmp_path / "run").config.precision.policy_sha256 == r["policy_sha256"]
