@@ -33,14 +33,20 @@ __all__ = ["export_run", "validation_loss", "with_weights", "main"]
 
 
 def export_run(workdir, layout: str, out, *, policy: str | None = None):
-    """Write the run in ``workdir`` as ``layout`` to ``out``; returns the path."""
+    """Write the run in ``workdir`` as ``layout`` to ``out``, each layer as the run's model
+    computes it under its policy (or ``policy``): from the quantized model's record of its
+    forward pass (recipe and compute dtype per GEMM). Returns the path."""
+    from experiments.step import model_config
+
     run = load_run(workdir)
-    config = run.config
-    name = policy or config.precision.policy
+    name = policy or run.config.precision.policy
+    model = quantize_model(HybridLM(model_config(run.config, run.data)), policies.get(name))
+    inputs, _ = validation_tokens(run.config, run.data, 1)
+    record = model.assignments({"params": run.params}, inputs,
+                               rngs={"quant": jax.random.key(0)})
     return fp4lab_export.export(
-        {"params": run.params}, policies.get(name), out, layout,
-        compute_dtype=jnp.dtype(config.model.dtype),
-        metadata={"run": str(workdir), "policy_name": name, "seed": config.seed})
+        {"params": run.params}, record, out, layout,
+        metadata={"run": str(workdir), "policy_name": name, "seed": run.config.seed})
 
 
 def with_weights(params, weights: dict[str, np.ndarray]) -> dict:

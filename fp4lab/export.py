@@ -64,7 +64,6 @@ from fp4lab.formats import get_format
 from fp4lab.policy import PrecisionPolicy, get_policy
 from fp4lab.qarray import QArray
 from fp4lab.quantize import quantize
-from fp4lab.recipe import Recipe
 
 __all__ = ["LAYOUTS", "quantized_weights", "save", "export", "load", "tensor_name",
            "read_safetensors"]
@@ -98,54 +97,87 @@ def _flat_params(params) -> tuple[dict[str, np.ndarray], dict[str, str | None]]:
     return flat, layers
 
 
-def quantized_weights(params, policy: str | PrecisionPolicy | Recipe, *,
-                      compute_dtype=None, num_blocks: int | None = None,
+def quantized_weights(params, how=None, *, compute_dtype=None, num_blocks: int | None = None,
                       contracting: Mapping[str, int] | None = None
                       ) -> dict[str, QArray | jax.Array]:
-    """Every parameter as the policy's forward pass uses it, keyed by path (``"blocks_0/mlp/
-    up/kernel"``): a linear layer's kernel whose recipe quantizes the forward weight becomes
-    the QArray of its GEMM's weight matrix ``[K, N]`` (the kernel itself for a ``[in, out]``
+    """Every parameter as the forward pass uses it, keyed by path (``"blocks_0/mlp/up/
+    kernel"``): a linear layer's kernel whose recipe quantizes the forward weight becomes the
+    QArray of its GEMM's weight matrix ``[K, N]`` (the kernel itself for a ``[in, out]``
     kernel; a ``DenseGeneral`` kernel with its contracting axes, then its feature axes,
     flattened, as fp4lab's interception of the layer hands it to the GEMM):
     ``quantize(kernel.astype(compute_dtype), fprop_w.format, axis=0, tile=fprop_w.tile)``;
     a pass-through recipe's kernel is cast to its format (BF16, FP16, FP32); everything else
-    (embeddings, norms, convolutions, biases) is returned as it is. ``compute_dtype``: the
-    dtype the layer casts its kernel to before the GEMM (a Flax ``Dense(dtype=jnp.bfloat16)``
-    quantizes the BF16 kernel, not the float32 master copy); ``None`` keeps the parameters'
-    own dtype, as a layer without ``dtype=`` computes. ``contracting``: ``{layer path: n}``,
-    the number of leading kernel axes a layer contracts, for kernels of rank >= 3 without a
-    bias to read it from (a ``DenseGeneral``'s bias has the kernel's feature axes). A policy
-    is anything :func:`fp4lab.policy.get_policy` reads: a :class:`PrecisionPolicy`, a
-    :class:`Recipe` or a recipe's name (every layer), ``all:<recipe>``, ``file:<policy.json>``
-    or a registered name such as a preset. GGML formats' blocks whose
-    float16 scale is zero hold GGML's own codes (:func:`_ggml_reference`)."""
-    policy = get_policy(policy)
+    (embeddings, norms, convolutions, biases, layers the forward pass never quantized) is
+    returned as it is. GGML formats' blocks whose float16 scale is zero hold GGML's own codes
+    (:func:`_ggml_reference`).
+
+    ``how`` says what each layer's forward pass did, best from the quantized model's own
+    record: ``QuantizedLinen.assignments(variables, x)`` (Linen), or nothing for an NNX model
+    quantized by ``quantize_model`` (its record, :func:`fp4lab.flax.assignments`); each
+    layer's recipe and the dtype its kernel had at the GEMM come from there. It may also be a
+    policy (anything :func:`fp4lab.policy.get_policy` reads), resolved over the parameter
+    paths; a policy whose rules name a layer kind is refused for Linen variables, which do
+    not say their layers' kinds. ``compute_dtype``: the dtype every kernel is cast to before
+    quantizing, overriding the record (without a record: the parameters' own dtype).
+    ``contracting``: ``{layer path: n}``, the number of leading kernel axes a layer
+    contracts, for kernels of rank >= 3 without a bias to read it from."""
     flat, layers = _flat_params(params)
     if not any(f"{layer}/kernel" in flat for layer in layers):
         raise ValueError(f"found no linear layer in the parameters (a 'kernel' of rank >= 2 "
                          f"under a layer's path); paths seen: {sorted(flat)[:5]}")
-    num_blocks = num_blocks or policy.infer_num_blocks(layers)
+    assigned = _assignments(params, how, layers, num_blocks)
     out = {}
     for path, value in flat.items():
         layer, _, leaf = path.rpartition("/")
-        if leaf != "kernel" or layer not in layers:
+        a = assigned.get(layer) if leaf == "kernel" else None
+        if a is None or a.recipe is None:
             out[path] = value
             continue
-        recipe = policy.assign(layer, layers[layer], num_blocks).recipe
-        w = jnp.asarray(value)
-        if compute_dtype is not None:
-            w = w.astype(compute_dtype)
-        if recipe.fprop_w.format.is_passthrough:
-            out[path] = w.astype(recipe.fprop_w.format.element.storage)
-            continue
-        if recipe.fprop_w.hadamard or recipe.fprop_w.rounding != "nearest":
-            raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
-                             "rounds the forward weight; a checkpoint holds one fixed weight")
-        n = (contracting or {}).get(layer) or _contracting_axes(path, w, flat.get(
-            f"{layer}/bias"))
-        w = w.reshape(math.prod(w.shape[:n]), -1).astype(jnp.float32)
-        out[path] = _quantize_weight(path, w, recipe.fprop_w)
+        out[path] = _forward_weight(path, value, a, compute_dtype or a.compute_dtype,
+                                    (contracting or {}).get(layer), flat.get(f"{layer}/bias"))
     return out
+
+
+def _assignments(params, how, layers: dict, num_blocks) -> dict:
+    """``{layer path: Assignment}``: the model's record (``how``, or an NNX model's own), or
+    ``how`` as a policy resolved over ``layers`` (``{path: kind}``)."""
+    from fp4lab.policy import Assignment
+
+    if how is None:
+        from fp4lab.flax import assignments
+
+        how = assignments(params)  # an NNX model's record, or a clear error
+    if isinstance(how, (list, tuple)) and all(isinstance(a, Assignment) for a in how):
+        return {a.path: a for a in how}
+    policy = get_policy(how)
+    kinds = [r for r in policy.rules if r.kind is not None]
+    if kinds and not any(layers.values()):
+        raise ValueError(f"policy {policy.name}: rule {kinds[0].label()!r} names a layer kind "
+                         "(kind={kinds[0].kind!r}) that these parameters do not record; "
+                         "export from the model's record: quantized_weights(params, "
+                         "quantize_model(model, policy).assignments(variables, x))")
+    num_blocks = num_blocks or policy.infer_num_blocks(layers)
+    return {layer: policy.assign(layer, kind, num_blocks) for layer, kind in layers.items()}
+
+
+def _forward_weight(path: str, value, a, compute_dtype, contracting: int | None, bias):
+    """The kernel at ``path`` as ``a``'s forward GEMM uses it (see
+    :func:`quantized_weights`)."""
+    recipe = a.recipe
+    if a.stack:
+        raise ValueError(f"{path}: a kernel stacked for a scan ({a.stack} blocks); export "
+                         "unstacked layers (scan_layers=False)")
+    w = jnp.asarray(value)
+    if compute_dtype is not None:
+        w = w.astype(compute_dtype)
+    if recipe.fprop_w.format.is_passthrough:
+        return w.astype(recipe.fprop_w.format.element.storage)
+    if recipe.fprop_w.hadamard or recipe.fprop_w.rounding != "nearest":
+        raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
+                         "rounds the forward weight; a checkpoint holds one fixed weight")
+    n = contracting or _contracting_axes(path, w, bias)
+    w = w.reshape(math.prod(w.shape[:n]), -1).astype(jnp.float32)
+    return _quantize_weight(path, w, recipe.fprop_w)
 
 
 def _contracting_axes(path: str, kernel, bias) -> int:
@@ -752,17 +784,18 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
     return path
 
 
-def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
-           compute_dtype=None, num_blocks: int | None = None,
-           contracting: Mapping[str, int] | None = None, **save_kw) -> Path:
-    """:func:`quantized_weights` of ``params`` under ``policy``, written by :func:`save`
-    (the policy is recorded in the metadata)."""
-    from fp4lab.policy import explain, policy_to_dict
+def export(params, how, path, layout: str, *, compute_dtype=None,
+           num_blocks: int | None = None, contracting: Mapping[str, int] | None = None,
+           **save_kw) -> Path:
+    """:func:`quantized_weights` of ``params`` as ``how`` says (the model's record or a
+    policy), written by :func:`save`; the policy is recorded in the metadata."""
+    from fp4lab.policy import ExplainTable, explain, policy_to_dict
 
-    policy = get_policy(policy)
     _out_path(path, layout)  # a wrong path fails before the work
-    weights = quantized_weights(params, policy, compute_dtype=compute_dtype,
+    weights = quantized_weights(params, how, compute_dtype=compute_dtype,
                                 num_blocks=num_blocks, contracting=contracting)
+    policy = how.policy if isinstance(how, ExplainTable) else get_policy(
+        how if how is not None else _record_policy(params))
     try:
         recorded = policy_to_dict(policy)
     except ValueError:  # a recipe outside the registry: its layers' assignment, as text
@@ -770,6 +803,12 @@ def export(params, policy: str | PrecisionPolicy | Recipe, path, layout: str, *,
             policy, [p.rpartition("/")[0] for p in weights if p.endswith("/kernel")]))}
     meta = {"policy": recorded, **(save_kw.pop("metadata", None) or {})}
     return save(weights, path, layout, metadata=meta, **save_kw)
+
+
+def _record_policy(model) -> PrecisionPolicy:
+    from fp4lab.flax import assignments
+
+    return assignments(model).policy
 
 
 def load(path) -> dict[str, QArray | np.ndarray]:

@@ -318,6 +318,58 @@ def test_a_float32_dense_exports_the_weight_its_qat_forward_multiplies(tmp_path)
     assert (bf16["up"] != forward["up"]).mean() > 0.5  # what the old default exported
 
 
+def test_export_takes_each_layer_from_the_models_record():
+    """A user's report: a Linen MLP under a policy whose rule names the kind "dense" trained
+    both layers in q4_0_qat while export, resolving the policy again over parameters that do
+    not say their kinds, returned BF16 kernels without a word. The model's record (what its
+    forward pass did) gives both layers their recipe and the dtype their kernels had at the
+    GEMM (BF16 here); the policy alone is refused."""
+    from flax import linen as nn
+
+    from fp4lab.flax import quantize_model
+    from fp4lab.policy import PrecisionPolicy, Rule
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(64, dtype=jnp.bfloat16, name="layers_0")(x))
+            return nn.Dense(32, dtype=jnp.bfloat16, name="layers_1")(x)
+
+    policy = PrecisionPolicy(rules=(Rule(pattern=".*", kind="dense", recipe="q4_0_qat"),),
+                             default="bf16")
+    model, x = MLP(), jnp.ones((2, 64))
+    variables = model.init(jax.random.key(0), x)
+    qmodel = quantize_model(model, policy)
+    record = qmodel.assignments(variables, x)
+    assert [(a.path, a.recipe.name, a.compute_dtype) for a in record] == [
+        ("layers_0", "q4_0_qat", "bfloat16"), ("layers_1", "q4_0_qat", "bfloat16")]
+    forward = _forward_weights(qmodel, variables, x)  # read off BF16 outputs: rounded
+    exported = _exported_values(export.quantized_weights(variables, record))
+    assert set(exported) == {"layers_0", "layers_1"}
+    for layer, w in forward.items():
+        np.testing.assert_array_equal(exported[layer].astype(jnp.bfloat16), w)
+    as_stored = _exported_values(export.quantized_weights(variables, "q4_0_qat"))
+    differ = (as_stored["layers_0"].astype(jnp.bfloat16) != forward["layers_0"]).mean()
+    assert differ > 0.05  # the float32 kernel quantized: 15 % of the values differ
+    with pytest.raises(ValueError, match="names a layer kind.*assignments"):
+        export.quantized_weights(variables, policy)
+
+
+def test_an_nnx_model_exports_from_its_own_record():
+    from flax import nnx
+
+    from fp4lab.flax import quantize_model
+
+    model = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 64,
+                                                                            rngs=nnx.Rngs(1)))
+    quantize_model(model, "all:q8_0_qat")
+    weights = export.quantized_weights(model)
+    assert {p for p, v in weights.items() if isinstance(v, fp4lab.QArray)} == {
+        "layers/0/kernel", "layers/1/kernel"}
+    with pytest.raises(ValueError, match="not quantized by"):
+        export.quantized_weights(nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0))))
+
+
 def test_stock_attention_kernels_export_as_their_qat_forward_multiplies(tmp_path):
     """nn.MultiHeadDotProductAttention's DenseGeneral kernels (query/key/value [in, heads,
     head_dim], out [heads, head_dim, out]) are quantized as fp4lab's interception hands them
