@@ -46,14 +46,11 @@ from jax import lax
 
 from fp4lab.formats import Format, get_format
 from fp4lab.quantize import dequantize, quantize
+from fp4lab.rounding import round_to_bf16
 
 __all__ = ["flash_attention", "stored_output", "ACCUMULATE"]
 
 ACCUMULATE = ("fp32", "bf16_p", "bf16")
-
-
-def _bf16(x):
-    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def _scores(q, kb, scale, causal, start, length, total):
@@ -73,8 +70,8 @@ def _blocks(x, block):
 def _forward(q, k, v, scale, causal, block_k, accumulate):
     length, total = q.shape[-2], k.shape[-2]
     keep = lambda x: x  # noqa: E731
-    round_p = keep if accumulate == "fp32" else _bf16
-    round_acc = _bf16 if accumulate == "bf16" else keep
+    round_p = keep if accumulate == "fp32" else round_to_bf16
+    round_acc = round_to_bf16 if accumulate == "bf16" else keep
     m = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
     l = jnp.zeros(q.shape[:-1], jnp.float32)
     acc = jnp.zeros(q.shape[:-1] + v.shape[-1:], jnp.float32)

@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DelayedScaling", "init_history", "history_amax", "update", "NUM_OPERANDS"]
+from fp4lab.operands import OPERANDS
 
-NUM_OPERANDS = 6  # len(fp4lab.recipe.OPERANDS) (recipe imports this module)
+__all__ = ["DelayedScaling", "init_history", "history_amax", "update"]
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,7 @@ class DelayedScaling:
 
 def init_history(scaling: DelayedScaling) -> jax.Array:
     """The history of one GEMM before its first step: zeros ``(6, history_len)``."""
-    return jnp.zeros((NUM_OPERANDS, scaling.history_len), jnp.float32)
+    return jnp.zeros((len(OPERANDS), scaling.history_len), jnp.float32)
 
 
 def history_amax(row: jax.Array, scaling: DelayedScaling) -> jax.Array:

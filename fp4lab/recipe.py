@@ -20,36 +20,14 @@ Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named one
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
+from fp4lab.operands import OPERAND_TABLE, OPERANDS, Operand
 
 __all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe", "SavedX",
            "RECIPES", "get_recipe", "recipe_names"]
-
-
-class Operand(NamedTuple):
-    """One of the six GEMM operands: its ``name``, the ``gemm`` it feeds, the tensor whose
-    ``role`` it plays (``x``, ``w`` or ``dy``) and its quantization ``axis`` on the canonical
-    tensors ``X: (B, M, K)``, ``W: (B, K, N)``, ``dY: (B, M, N)`` (the GEMM's reduction)."""
-
-    name: str
-    gemm: Literal["fprop", "dgrad", "wgrad"]
-    role: Literal["x", "w", "dy"]
-    axis: int
-
-
-# The one table of operands that the quantized GEMM, the probes and the recipes iterate.
-OPERAND_TABLE = (
-    Operand("fprop_x", "fprop", "x", -1),  # Y = X W, along K
-    Operand("fprop_w", "fprop", "w", 1),
-    Operand("dgrad_dy", "dgrad", "dy", -1),  # dX = dY W^T, along N
-    Operand("dgrad_w", "dgrad", "w", -1),
-    Operand("wgrad_x", "wgrad", "x", 1),  # dW = X^T dY, along the tokens M
-    Operand("wgrad_dy", "wgrad", "dy", 1),
-)
-OPERANDS = tuple(o.name for o in OPERAND_TABLE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

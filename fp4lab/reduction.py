@@ -34,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp4lab.rounding import round_to_bf16
+
 __all__ = ["MODES", "reduce_stacked", "all_reduce", "surviving_fraction"]
 
 MODES = ("fp32", "bf16_wire", "bf16_ring", "bf16_tree")
-
-
-def _bf16(x):
-    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def check_mode(mode: str) -> str:
@@ -58,7 +56,7 @@ def _ordered_sum(terms, rounding):
 
 def _tree_sum(terms):
     while len(terms) > 1:
-        paired = [_bf16(a + b) for a, b in zip(terms[0::2], terms[1::2])]
+        paired = [round_to_bf16(a + b) for a, b in zip(terms[0::2], terms[1::2])]
         terms = paired + ([terms[-1]] if len(terms) % 2 else [])
     return terms[0]
 
@@ -72,7 +70,7 @@ def _ring_sum(xs):
     chunk = np.searchsorted(bounds, np.arange(size), side="right") - 1  # chunk of each element
     start = jnp.asarray(chunk, jnp.int32)
     terms = [jnp.take_along_axis(flat, ((start + k) % n)[None], axis=0)[0] for k in range(n)]
-    return _ordered_sum(terms, _bf16).reshape(xs.shape[1:])
+    return _ordered_sum(terms, round_to_bf16).reshape(xs.shape[1:])
 
 
 def reduce_stacked(xs, mode: str):
@@ -84,7 +82,7 @@ def reduce_stacked(xs, mode: str):
         raise ValueError(f"reduce_stacked needs [replicas, ...] contributions, got {xs.shape}")
     if mode == "fp32":
         return _ordered_sum([t for t in xs.astype(jnp.float32)], lambda v: v)
-    terms = _bf16(xs.astype(jnp.float32))  # what travels: BF16 values
+    terms = round_to_bf16(xs.astype(jnp.float32))  # what travels: BF16 values
     if mode == "bf16_wire":
         return _ordered_sum([t for t in terms], lambda v: v)
     if mode == "bf16_tree":
@@ -102,8 +100,9 @@ def all_reduce(x, axis_name: str, mode: str):
         raise ValueError(f"all_reduce over {axis_name!r}: no mapped axis of that name here; "
                          "call it inside shard_map or pmap over it (reduce_stacked reduces "
                          "stacked contributions without one)") from None
-    wire = x.astype(jnp.float32) if mode == "fp32" else _bf16(x.astype(jnp.float32)).astype(
-        jnp.bfloat16)  # all-gather what travels (BF16 modes: 2 bytes an element)
+    wire = x.astype(jnp.float32)
+    if mode != "fp32":  # all-gather what travels (BF16 modes: 2 bytes an element)
+        wire = round_to_bf16(wire).astype(jnp.bfloat16)
     return reduce_stacked(lax.all_gather(wire, axis_name), mode)
 
 

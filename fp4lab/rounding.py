@@ -35,6 +35,7 @@ __all__ = [
     "div",
     "round_nearest",
     "round_stochastic",
+    "round_to_bf16",
     "uniform",
     "saturate",
     "encode",
@@ -101,6 +102,12 @@ def _float_grid_scaled(a: jax.Array, fmt: ElementFormat):
     m = fmt.mantissa_bits
     e = jnp.maximum(exponent(a), fmt.emin)
     return a * pow2(m - e), pow2(e - m)
+
+
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """``x`` (float32) rounded to BF16's grid, nearest-even, kept in float32: one rounding
+    that XLA cannot drop or fuse away as it may a ``bfloat16`` round trip."""
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def round_nearest(v: jax.Array, fmt: ElementFormat) -> jax.Array:
