@@ -75,8 +75,8 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
     out = []
     for path, m in flax_nnx.iter_modules(model):
         name = "/".join(map(str, path))
-        if type(m) in _nnx.KINDS:
-            out.append((name, _nnx.KINDS[type(m)]))
+        if type(m) in _nnx.LAYER_TYPES:
+            out.append((name, _nnx.LAYER_TYPES[type(m)]))
         out += [(op.path, op.kind) for op in getattr(m, _nnx.OPS_ATTR, {}).values()]
     return out
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import inspect
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.core import lift
-from flax.core.scope import in_filter
 
 from fp4lab.delayed import init_history
+from fp4lab.flax.internals import (linen_calling_module, linen_child, linen_einsum_bias_shape,
+                                   linen_lifted_rng_split, linen_module_stack)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, quantized_call,
                              runs_as_written, trace_abstractly)
 from fp4lab.policy import OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused
@@ -28,33 +27,15 @@ from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
-__all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers", "KINDS"]
-
-
-def _module_stack() -> list:
-    """The Linen modules whose methods are running, outermost first."""
-    from flax.linen.module import _context
-
-    return [m for m in _context.module_stack if m is not None]
+__all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers",
+           "LAYER_TYPES"]
 
 
 def _quant_broadcast_by(module: nn.Module) -> str | None:
     """``"nn.scan"`` or ``"nn.vmap"`` if ``module`` is a Linen scan or vmap of a module class
-    whose ``split_rngs`` broadcasts the "quant" rng (read off the lifted ``__call__``'s
-    closure, where Flax keeps the transform and its arguments)."""
-    call = getattr(type(module), "__call__", None)
-    names = getattr(getattr(call, "__code__", None), "co_freevars", ())
-    lifted = ("transform", "trafo_args", "trafo_kwargs")
-    if not set(lifted) <= set(names):
-        return None
-    cells = {n: c.cell_contents for n, c in zip(names, call.__closure__) if n in lifted}
-    transform = cells["transform"]
-    if transform not in (lift.scan, lift.vmap):
-        return None
-    split_rngs = inspect.signature(transform).bind_partial(
-        None, *cells["trafo_args"], **cells["trafo_kwargs"]).arguments.get("split_rngs", {})
-    split = next((split for f, split in split_rngs.items() if in_filter(f, "quant")), None)
-    return f"nn.{transform.__name__}" if split is False else None
+    whose ``split_rngs`` broadcasts the "quant" rng."""
+    lifted = linen_lifted_rng_split(module, "quant")
+    return f"nn.{lifted[0]}" if lifted is not None and lifted[1] is False else None
 
 
 def _broadcast_around(module: nn.Module) -> str | None:
@@ -63,10 +44,10 @@ def _broadcast_around(module: nn.Module) -> str | None:
     lifted module on the module stack: it is the child, on the way to ``module``, of a module
     on the stack."""
     path = module.scope.path
-    for m in _module_stack():
+    for m in linen_module_stack():
         outer = m.scope.path
         if len(outer) < len(path) and path[:len(outer)] == outer:
-            child = m._state.children.get(path[len(outer)])
+            child = linen_child(m, path[len(outer)])
             lifted = isinstance(child, nn.Module) and _quant_broadcast_by(child)
             if lifted:
                 return f"{lifted} at {'/'.join(path[:len(outer) + 1])}"
@@ -100,7 +81,7 @@ def _linen_key(module: nn.Module, recipe: Recipe):
         return module.make_rng("quant")
     if module.is_initializing() or _recording.get() is not None:  # shapes only: any key
         return jax.random.key(0)
-    if any(m.scope is not None and m.scope.has_rng("quant") for m in _module_stack()):
+    if any(m.scope is not None and m.scope.has_rng("quant") for m in linen_module_stack()):
         raise ValueError(f"{where}, but the 'quant' rng given to apply does not reach it: a "
                          "Linen transform around it (nn.scan, nn.vmap) passes only the rngs "
                          "its split_rngs names; add split_rngs={..., 'quant': True} so that "
@@ -162,7 +143,8 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
     kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
     bias = None
     if module.use_bias:
-        bias_shape, broadcast_shape = module._get_bias_shape(spec, inputs, kernel)
+        bias_shape, broadcast_shape = linen_einsum_bias_shape(module, spec, inputs,
+                                                             kernel)
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
     _note("/".join(module.scope.path), kernel)
@@ -208,20 +190,14 @@ class QEinsum(nn.Einsum):
 # ----------------------------------------------------------------------------- op interception
 
 
-def _calling_module():
-    """The Linen module whose method is running (None outside any)."""
-    from flax.linen.module import _context
-
-    return _context.module_stack[-1] if _context.module_stack else None
-
-
 class _OpNamer(CallCounter):
     """Names intercepted calls ``<module path>/einsum_<n>`` / ``.../dot_general_<n>``, n
     counting that module's calls of that kind in one apply (call order)."""
 
     def __call__(self, kind, args, kwargs):
-        m = _calling_module()
-        if m is None or type(m) in KINDS or isinstance(m, (QDense, QDenseGeneral, QEinsum)):
+        m = linen_calling_module()
+        if m is None or type(m) in LAYER_TYPES or isinstance(m, (QDense, QDenseGeneral,
+                                                                 QEinsum)):
             return None  # outside modules, or inside a layer its own hook quantizes
         path = "/".join(m.scope.path)
         name = super().__call__(path, kind)
@@ -248,7 +224,9 @@ def _einsum_call(module, recipe, backend, next_fun, args, kwargs):
 # -> (kind, how an intercepted call is quantized)
 HANDLERS = {nn.Dense: ("dense", _hooked_call), nn.DenseGeneral: ("densegeneral", _hooked_call),
             nn.Einsum: ("einsum", _einsum_call)}
-KINDS = {cls: kind for cls, (kind, _) in HANDLERS.items()}
+# every Linen layer type whose GEMMs a policy governs (fp4lab's own layers included) -> kind
+LAYER_TYPES = {QDense: "dense", QDenseGeneral: "densegeneral", QEinsum: "einsum",
+               **{cls: kind for cls, (kind, _) in HANDLERS.items()}}
 
 
 @dataclasses.dataclass

@@ -8,7 +8,6 @@ carry a recipe and their own SR rng stream, so quantizing a layer never touches 
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import types
 
@@ -17,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax.nnx import variablelib
 
 from fp4lab.delayed import init_history, update
+from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swap_class
 from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_written,
                              trace_abstractly)
 from fp4lab.probes import probe_table, probe_zeros
@@ -27,9 +26,10 @@ from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
-           "QLinearGeneral", "QEinsum", "HOOKS", "KINDS", "LAYER_CALLS", "AmaxHistory",
-           "update_amax_history", "QuantProbe", "probe_records", "probe_rows", "find_op_calls", "intercept_ops", "release_ops",
-           "register_layer", "layer_stack", "stacked", "OPS_ATTR"]
+           "QLinearGeneral", "QEinsum", "HOOKS", "LAYER_TYPES", "LAYER_CALLS", "AmaxHistory",
+           "update_amax_history", "QuantProbe", "probe_records", "probe_rows", "find_op_calls",
+           "intercept_ops", "release_ops", "register_layer", "layer_stack", "stacked",
+           "OPS_ATTR"]
 
 
 class AmaxHistory(nnx.Variable):
@@ -53,12 +53,6 @@ class QuantCounter(nnx.Variable):
     """How many keys a GEMM's stochastic-rounding stream has drawn. Not RNG state, so a host
     that writes back only non-RNG state (MaxText's layer scan keeps
     ``nnx.Not(nnx.RngState)``) still advances it from step to step."""
-
-
-# Flax's collection of variables whose gradient is their next value (Linen's FP8 layers;
-# MaxText's train step sets every variable of this type to its gradient after each step)
-OverwriteWithGradient = variablelib.variable_type_from_name("_overwrite_with_gradient",
-                                                            allow_register=True)
 
 
 class QuantProbe(OverwriteWithGradient):
@@ -209,7 +203,7 @@ HOOKS = {nnx.Linear: ("linear", "dot_general", QuantDot),
         nnx.LinearGeneral: ("lineargeneral", "dot_general", QuantDot),
         nnx.Einsum: ("einsum", "einsum_op", QuantEinsum)}
 # every layer type a policy governs (fp4lab's own layers included) -> kind
-KINDS = {QLinear: "linear", QLinearGeneral: "lineargeneral", QEinsum: "einsum",
+LAYER_TYPES = {QLinear: "linear", QLinearGeneral: "lineargeneral", QEinsum: "einsum",
          **{cls: v[0] for cls, v in HOOKS.items()}}
 # module types whose lax.dot_general call is their layer's GEMM (register_layer) -> kind
 LAYER_CALLS: dict[type, str] = {}
@@ -238,26 +232,14 @@ OPS_ATTR = "fp4lab_ops"  # a module's quantized calls: {call name: QuantOp}
 _state = threading.local()  # .active: an intercepting model call is running in this thread
 
 
-def _calling_module():
-    """The NNX module whose method is running: the nearest caller frame whose ``self`` is an
-    ``nnx.Module`` (NNX keeps no module stack; qwix finds the module the same way)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_locals.get("self")
-        if isinstance(module, nnx.Module):
-            return module
-        frame = frame.f_back
-    return None
-
-
 def _handler(record=None):
     """The op handler of one model call: ``record(module, name, kind)`` when finding calls,
     else each module's ``fp4lab_ops`` quantizes the calls it names."""
     counter = CallCounter()
 
     def op(kind, original, args, kwargs):
-        m = _calling_module()
-        if m is None or type(m) in KINDS or isinstance(m, _QuantizedGemm):
+        m = nnx_calling_module()
+        if m is None or type(m) in LAYER_TYPES or isinstance(m, _QuantizedGemm):
             return original(*args, **kwargs)  # outside modules, or inside a governed layer
         name = counter(getattr(m, _PATH_ATTR, id(m)), kind)
         if record is not None:
@@ -327,7 +309,7 @@ def intercept_ops(model: nnx.Module) -> None:
     for path, m in modules:
         if not getattr(type(m), "_fp4lab_intercepts", False) and any(
                 tuple(h[:len(path)]) == tuple(path) for h in holders):
-            m.__class__ = _intercepting(type(m))
+            swap_class(m, _intercepting(type(m)))
 
 
 def release_ops(model: nnx.Module) -> None:
@@ -337,7 +319,7 @@ def release_ops(model: nnx.Module) -> None:
         if OPS_ATTR in vars(m):
             delattr(m, OPS_ATTR)
         if getattr(type(m), "_fp4lab_intercepts", False):
-            m.__class__ = type(m).__bases__[0]
+            swap_class(m, type(m).__bases__[0])
 
 
 def find_op_calls(model: nnx.Module, args=(), kwargs=None
