@@ -266,29 +266,46 @@ def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     a_nan, b_nan = (ea == 255) & (fa != 0), (eb == 255) & (fb != 0)
     a_inf, b_inf = (ea == 255) & (fa == 0), (eb == 255) & (fb == 0)
     a_zero, b_zero = (ab & u32(0x7FFFFFFF)) == 0, (bb & u32(0x7FFFFFFF)) == 0
+    q, e, sticky = _divide_significands(*_significand(ea, fa), *_significand(eb, fb))
+    mag = jnp.where(e >= -126, _round_normal(q, sticky, e), _round_subnormal(q, sticky, e))
+    out = jnp.where(a_zero | b_inf, u32(0), mag)
+    out = jnp.where(a_inf | b_zero, u32(0x7F800000), out)
+    out = out | sign
+    nan = a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf)
+    return jnp.where(nan, u32(0x7FC00000), out)
 
-    def significand(e, f):
-        """(24-bit significand with the leading 1 at bit 23, unbiased exponent) of a finite
-        nonzero float, subnormals normalized."""
-        shift = jnp.where(e == 0, lax.clz(f) - 8, 0).astype(jnp.int32)
-        m = jnp.where(e == 0, f << shift.astype(u32), f | u32(0x800000))
-        exp = jnp.where(e == 0, -126 - shift, e.astype(jnp.int32) - 127)
-        return m, exp
 
-    ma, xa = significand(ea, fa)
-    mb, xb = significand(eb, fb)
+def _significand(e, f):
+    """(24-bit significand with the leading 1 at bit 23, unbiased exponent) of a finite
+    nonzero float32 of biased exponent ``e`` and fraction ``f``, subnormals normalized."""
+    u32 = jnp.uint32
+    shift = jnp.where(e == 0, lax.clz(f) - 8, 0).astype(jnp.int32)
+    m = jnp.where(e == 0, f << shift.astype(u32), f | u32(0x800000))
+    exp = jnp.where(e == 0, -126 - shift, e.astype(jnp.int32) - 127)
+    return m, exp
+
+
+def _divide_significands(ma, xa, mb, xb):
+    """``(q, e, sticky)``: the 25-bit quotient (24 significant bits and the round bit) of the
+    significands by restoring long division, the quotient's exponent, and whether a remainder
+    was left."""
+    u32 = jnp.uint32
     small = ma < mb  # make ma / mb fall in [1, 2)
     r = jnp.where(small, ma << u32(1), ma)
     e = xa - xb - small.astype(jnp.int32)
     q = jnp.zeros_like(r)
-    for _ in range(25):  # 24 significant bits and the round bit
+    for _ in range(25):
         bit = r >= mb
         r = jnp.where(bit, r - mb, r)
         q = (q << u32(1)) | bit.astype(u32)
         r = r << u32(1)
-    sticky = r != 0
+    return q, e, r != 0
 
-    # normal result: round the 25-bit quotient to 24 bits
+
+def _round_normal(q, sticky, e):
+    """The bits of a normal result: the 25-bit quotient rounded to 24 bits (nearest even),
+    overflow to infinity."""
+    u32 = jnp.uint32
     mant = q >> u32(1)
     up = ((q & u32(1)) != 0) & (sticky | ((mant & u32(1)) != 0))
     mant = mant + up.astype(u32)
@@ -296,22 +313,19 @@ def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     mant = jnp.where(carry, mant >> u32(1), mant)
     e_n = e + carry.astype(jnp.int32)
     normal = ((e_n + 127).astype(u32) << u32(23)) | (mant & u32(0x7FFFFF))
-    normal = jnp.where(e_n > 127, u32(0x7F800000), normal)
+    return jnp.where(e_n > 127, u32(0x7F800000), normal)
 
-    # subnormal result: value = (q + sticky) * 2**(e - 24), in units of 2**-149
+
+def _round_subnormal(q, sticky, e):
+    """The bits of a subnormal result: ``(q + sticky) * 2**(e - 24)`` in units of 2**-149,
+    rounded to nearest even (2**23 here is the smallest normal, as it should be)."""
+    u32 = jnp.uint32
     t = jnp.clip(-(e + 125), 1, 31).astype(u32)  # right shift of q
     n = q >> t
     rem = q & ((u32(1) << t) - u32(1))
     half = u32(1) << (t - u32(1))
     up_s = (rem > half) | ((rem == half) & (sticky | ((n & u32(1)) != 0)))
-    subnormal = n + up_s.astype(u32)  # 2**23 here is the smallest normal, as it should be
-
-    mag = jnp.where(e >= -126, normal, subnormal)
-    out = jnp.where(a_zero | b_inf, u32(0), mag)
-    out = jnp.where(a_inf | b_zero, u32(0x7F800000), out)
-    out = out | sign
-    nan = a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf)
-    return jnp.where(nan, u32(0x7FC00000), out)
+    return n + up_s.astype(u32)
 
 
 def div(a, b) -> jax.Array:

@@ -151,18 +151,37 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     _nnx.release_ops(model)  # quantized before: its calls are found afresh under this policy
     gemms = _nnx_gemms(model, policy, inputs, call_kwargs)
     num_blocks = num_blocks or _num_blocks(policy, gemms)
-    base = None
-    if rngs is not None:
-        base = rngs.quant() if "quant" in rngs else rngs()
+    make = _GemmMaker(seed, None if rngs is None else (
+        rngs.quant() if "quant" in rngs else rngs()), backend, probes)
+    assignments = _install(policy, gemms, num_blocks, make)
+    _nnx.intercept_ops(model)
+    unused = check_unused(policy, assignments, strict=strict, stacklevel=2,
+                          none_found=NONE_FOUND)
+    setattr(model, _RECORD, _Record(policy, tuple(assignments), tuple(unused)))
+    return model
 
-    def gemm(make, path, *args):
-        """The op for the GEMM at ``path``, with its own SR stream."""
-        path_hash = zlib.crc32(f"{seed}/{path}".encode()) & 0x7FFFFFFF
-        if base is None:
-            return make(*args, seed=path_hash, backend=backend, probe=probes)
-        key = jax.random.fold_in(base, path_hash)
-        return make(*args, rngs=flax_nnx.Rngs(quant=key), backend=backend, probe=probes)
 
+@dataclasses.dataclass(frozen=True)
+class _GemmMaker:
+    """Builds the op of the GEMM at a path, with its own SR stream: seeded from the path and
+    ``seed``, or folded from ``base`` (one draw of the model's rngs) with the path."""
+    seed: int
+    base: jax.Array | None
+    backend: str
+    probes: bool
+
+    def __call__(self, make, path: str, *args):
+        path_hash = zlib.crc32(f"{self.seed}/{path}".encode()) & 0x7FFFFFFF
+        kw = dict(backend=self.backend, probe=self.probes)
+        if self.base is None:
+            return make(*args, seed=path_hash, **kw)
+        return make(*args, rngs=flax_nnx.Rngs(quant=jax.random.fold_in(self.base, path_hash)),
+                    **kw)
+
+
+def _install(policy: PrecisionPolicy, gemms: list, num_blocks, make: _GemmMaker) -> list:
+    """Give every governed GEMM its op (a layer's hook, or a call's entry in its module's
+    ``fp4lab_ops``), stacked as its layer is; the assignments, in order."""
     assignments, ops = [], {}
     for g in gemms:
         a = _assign(policy, g, num_blocks)
@@ -170,20 +189,16 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
             continue  # a call no op rule quantizes
         assignments.append(a)
         if g.call is None:  # a layer: its hook (a static function) becomes an op with state
-            kind, hook, make = _nnx.HOOKS[type(g.module)]
-            setattr(g.module, hook, flax_nnx.data(_nnx.stacked(gemm(make, g.path, a.recipe),
-                                                               g.stack)))
+            kind, hook, op_type = _nnx.HOOKS[type(g.module)]
+            op = _nnx.stacked(make(op_type, g.path, a.recipe), g.stack)
+            setattr(g.module, hook, flax_nnx.data(op))
         else:
-            op = gemm(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1])
+            op = make(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1])
             ops.setdefault(id(g.module), (g.module, {}))[1][g.call[0]] = _nnx.stacked(op,
                                                                                   g.stack)
     for module, calls in ops.values():
         setattr(module, OPS_ATTR, flax_nnx.data(calls))
-    _nnx.intercept_ops(model)
-    unused = check_unused(policy, assignments, strict=strict, stacklevel=2,
-                          none_found=NONE_FOUND)
-    setattr(model, _RECORD, _Record(policy, tuple(assignments), tuple(unused)))
-    return model
+    return assignments
 
 
 _RECORD = "fp4lab_assignments"
