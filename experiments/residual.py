@@ -22,7 +22,6 @@ atomically to ``--out``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +34,7 @@ from experiments.records import write_report
 from experiments.rollout import token_log_probs
 from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
+from experiments.tables import interval_cell, markdown_table, yes_no
 from fp4lab.flax import quantize_model
 
 __all__ = ["measure_run", "report", "main"]
@@ -78,19 +78,19 @@ def report(records: list[dict]) -> str:
     keys = list(dict.fromkeys((r["gated"], r["trained"], r["storage"]) for r in records))
     head = ["gated", "trained with", "stored as", "runs", "val loss change %", "95% CI",
             "max saturation %", "mean underflow %", "min SQNR dB", "max |x|"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for k in keys:
         rs = [r for r in records if (r["gated"], r["trained"], r["storage"]) == k]
         change = mean_interval(r["loss_change_%"] for r in rs)
-        ci = f"[{change.low:+.3f}, {change.high:+.3f}]" if math.isfinite(change.low) else ""
         blocks = [b for r in rs for b in r["blocks"].values()]
-        lines.append("| " + " | ".join([
-            "yes" if k[0] else "no", k[1], k[2], str(len(rs)), f"{change.mean:+.3f}", ci,
+        rows.append([
+            yes_no(bool(k[0])), k[1], k[2], len(rs), f"{change.mean:+.3f}",
+            interval_cell(change, "+.3f"),
             f"{100 * max(b['saturation'] for b in blocks):.3f}",
             f"{100 * np.mean([b['underflow'] for b in blocks]):.3f}",
             f"{min(b['sqnr_db'] for b in blocks):.1f}",
-            f"{max(b['amax'] for b in blocks):.1f}"]) + " |")
-    return "\n".join(lines) + "\n"
+            f"{max(b['amax'] for b in blocks):.1f}"])
+    return markdown_table(head, rows)
 
 
 @command

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,7 @@ from experiments.model import HybridLM
 from experiments.records import write_report
 from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
+from experiments.tables import interval_cell, markdown_table, number_cell
 from fp4lab.flax import quantize_model
 from fp4lab.mismatch import mismatch_metrics
 from fp4lab.policy import PrecisionPolicy, Rule
@@ -149,10 +149,6 @@ def measure_run(workdir, *, batches: int = 4, sample: int = 0,
     return out
 
 
-def _fmt(v: float, n: int = 4) -> str:
-    return f"{v:.{n}f}" if math.isfinite(v) else ""
-
-
 def report(records: list[dict]) -> str:
     """The Markdown summary: per mode, precision and group, the mean over the runs."""
     keys = []
@@ -160,18 +156,18 @@ def report(records: list[dict]) -> str:
         k = (r["mode"], r["precision"], r["group"])
         if k not in keys:
             keys.append(k)
-    lines = ["| mode | rollout | group | runs | token_mult_prob_error | 95% CI | kl | k3_kl | "
-             "chi2_token | is_ess |", "|" + "---|" * 10]
+    head = ["mode", "rollout", "group", "runs", "token_mult_prob_error", "95% CI", "kl",
+            "k3_kl", "chi2_token", "is_ess"]
+    rows = []
     for k in keys:
         rs = [r for r in records if (r["mode"], r["precision"], r["group"]) == k]
         err = mean_interval(r["token_mult_prob_error"] for r in rs)
-        ci = f"[{_fmt(err.low)}, {_fmt(err.high)}]" if math.isfinite(err.low) else ""
         mean = {m: float(np.mean([r[m] for r in rs])) for m in ("kl", "k3_kl", "chi2_token",
                                                                 "is_ess")}
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {len(rs)} | {_fmt(err.mean)} | {ci} | "
-                     f"{mean['kl']:.2e} | {mean['k3_kl']:.2e} | {mean['chi2_token']:.2e} | "
-                     f"{_fmt(mean['is_ess'])} |")
-    return "\n".join(lines) + "\n"
+        rows.append([*k, len(rs), number_cell(err.mean, ".4f"), interval_cell(err, ".4f"),
+                     f"{mean['kl']:.2e}", f"{mean['k3_kl']:.2e}", f"{mean['chi2_token']:.2e}",
+                     number_cell(mean["is_ess"], ".4f")])
+    return markdown_table(head, rows)
 
 
 @command

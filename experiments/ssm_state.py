@@ -26,7 +26,6 @@ interval over runs of the overall KL) are written atomically to ``--out``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from experiments.records import write_report
 from experiments.rollout import sample_tokens, token_log_probs
 from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
+from experiments.tables import interval_cell, markdown_table
 from fp4lab.flax import quantize_model
 
 __all__ = ["VARIANTS", "measure_run", "main"]
@@ -117,19 +117,18 @@ def report(records: list[dict]) -> str:
     has_len = any("line_length" in r for r in records)
     head = ["state", "rounding", "runs", "KL (nats/token)", "95% CI", "KL by quarter",
             "val loss change %"] + (["line length change %"] if has_len else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for k in keys:
         rs = [r for r in records if (r["format"], r["rounding"]) == k]
         kl = mean_interval(r["kl"] for r in rs)
-        ci = f"[{kl.low:.2e}, {kl.high:.2e}]" if math.isfinite(kl.low) else ""
         by_q = np.mean([r["kl_by_quarter"] for r in rs], axis=0)
-        row = [k[0], k[1], str(len(rs)), f"{kl.mean:.2e}", ci,
+        row = [k[0], k[1], len(rs), f"{kl.mean:.2e}", interval_cell(kl, ".2e"),
                " / ".join(f"{v:.1e}" for v in by_q),
                f"{np.mean([r['loss_change_%'] for r in rs]):+.3f}"]
         if has_len:
             row.append(f"{np.mean([r['length_change_%'] for r in rs]):+.1f}")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(row)
+    return markdown_table(head, rows)
 
 
 @command

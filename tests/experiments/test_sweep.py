@@ -1,4 +1,7 @@
-"""experiments.sweep and experiments.auto_assign: resume, failures, reports, recommendations."""
+"""experiments.sweep and experiments.auto_assign: resume, failures, reports, recommendations.
+
+The sweep trains through ``experiments.sweep.run.train`` (and loads data through its
+``load_data``): the tests that fake training patch those."""
 
 import json
 import math
@@ -7,6 +10,10 @@ import numpy as np
 import pytest
 
 import experiments.sweep as sweep
+from experiments.sweep import cli as sweep_cli
+from experiments.sweep import plots as sweep_plots
+from experiments.sweep import run as sweep_run
+from experiments.sweep.result import RunResult
 from experiments.auto_assign import assign_from_summaries, layer_passes
 from experiments.configs import apply_overrides, load_config
 from experiments.train import train as real_train
@@ -34,10 +41,10 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus
             raise RuntimeError("boom")  # a run that fails while training
         return real_train(c, workdir, **kw)
 
-    monkeypatch.setattr(sweep, "train", counting_train)
+    monkeypatch.setattr(sweep_run, "train", counting_train)
     results = sweep.run_sweep(config, tmp_path, progress=False)
-    assert [r["status"] for r in results] == ["ok", "failed", "ok"]
-    assert results[1]["error"] == "RuntimeError: boom"
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert results[1].error == "RuntimeError: boom"
     assert calls == ["bf16", "mxfp4", "nvfp4"]
     for f in ("results.csv", "results.md", "loss_curves.png", "underflow_heatmap.png",
               "sqnr_heatmap.png"):
@@ -49,7 +56,7 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus
     calls.clear()
     again = sweep.run_sweep(config, tmp_path, progress=False)
     assert calls == ["nvfp4"]
-    assert again[2]["val_loss"] == results[2]["val_loss"]  # resumed from its final checkpoint
+    assert again[2].val_loss == results[2].val_loss  # resumed from its final checkpoint
     calls.clear()
     sweep.run_sweep(config, tmp_path, progress=False, retry_failed=True)
     assert calls == ["mxfp4"]
@@ -69,6 +76,29 @@ def test_results_table_gaps_and_speed_are_relative_to_bf16():
     assert row["val gap vs bf16 %"] == 10.0 and row["speed vs bf16"] == 0.5
     assert row["underflow % mlp/up"] == 6.8
     assert rows[2][1].startswith("failed: ValueError: boom")
+
+
+def test_a_run_result_is_read_in_one_place_with_defaults_for_keys_old_results_lack():
+    config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=2"])
+    run = sweep.planned_runs(config)[3]  # nvfp4, seed 1
+    old = {"name": "elsewhere", "policy": "nvfp4", "status": "ok", "val_loss": 2.5,
+           "final_train_loss": 2.4, "tokens_per_s": 10.0, "run_info": {"host": "h"}}
+    r = RunResult.from_record(old, run)
+    assert (r.name, r.seed, r.variant, r.base_variant, r.reference_variant) == (
+        "nvfp4-seed1", 1, "", "", None)  # the plan says where it belongs
+    assert (r.params, dict(r.underflow_by_kind), dict(r.layers), r.error) == (None, {}, {}, "")
+    assert r.ok and r.record["run_info"] == {"host": "h"}  # everything stored stays readable
+    loose = RunResult.from_record({k: v for k, v in old.items() if k != "name"})
+    assert (loose.name, loose.seed, loose.pair_seed) == ("", None, 0)  # read without its plan
+    with pytest.raises(ValueError, match=r"run result 'x' has no \['val_loss'\]"):
+        RunResult.from_record({"name": "x", "policy": "p", "status": "ok",
+                               "final_train_loss": 1.0, "tokens_per_s": 1.0})
+    failed = RunResult.from_record({"status": "failed", "error": "E: boom"}, run)
+    assert not failed.ok and math.isnan(failed.val_loss)
+    # the tables read dicts (a notebook's result.json) and results alike
+    rows = [old, {**old, "policy": "bf16", "val_loss": 2.0}]
+    assert sweep.results_table(rows) == sweep.results_table(
+        [RunResult.from_record(x) for x in rows])
 
 
 def test_seeds_pair_the_gaps_and_give_t_intervals():
@@ -120,8 +150,8 @@ def test_planned_runs_follow_sweep_seeds(tiny):
 
 
 def test_heatmaps_grey_out_operands_a_recipe_does_not_quantize():
-    quantized = sweep._quantized_operands({"layers": {"head": "bf16", "mlp": "nvfp4",
-                                                      "qat": "mxfp4_w_mxfp8_a_qat", "odd": "-"}})
+    quantized = sweep_plots.quantized_operands({"head": "bf16", "mlp": "nvfp4",
+                                                "qat": "mxfp4_w_mxfp8_a_qat", "odd": "-"})
     assert not any(quantized("head", op) for op in OPERANDS)  # BF16 casts: grey
     assert all(quantized("mlp", op) for op in OPERANDS)
     assert [quantized("qat", op) for op in OPERANDS] == [True, True] + [False] * 4
@@ -157,11 +187,11 @@ def test_a_sweep_over_seeds_reports_intervals(tmp_path, corpus_dir, tiny):
                         "train.steps=6", "probes.every=3")
     config.compile_cache = tiny.compile_cache
     results = sweep.run_sweep(config, tmp_path, progress=False)
-    assert [(r["policy"], r["seed"]) for r in results] == [
+    assert [(r.policy, r.seed) for r in results] == [
         ("bf16", 0), ("nvfp4", 0), ("bf16", 1), ("nvfp4", 1)]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
         "bf16-seed0", "bf16-seed1", "nvfp4-seed0", "nvfp4-seed1"]
-    assert results[0]["val_loss"] != results[2]["val_loss"]  # the seed changes the run
+    assert results[0].val_loss != results[2].val_loss  # the seed changes the run
     header, rows = sweep.results_table(results)
     row = dict(zip(header, rows[1]))
     assert row["seeds"] == 2 and row["gap 95% CI"].startswith("[")
@@ -185,17 +215,17 @@ def _fake_train(c, workdir, **kw):
 
 
 def test_sharded_sweeps_merge_into_the_sequential_report(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "train", _fake_train)
+    monkeypatch.setattr(sweep_run, "train", _fake_train)
     config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')",
                                         "sweep.seeds=2", "sweep.seeded_policies=('bf16','nvfp4')"])
     sequential = sweep.run_sweep(config, tmp_path / "seq", progress=False)
     shards = [sweep.run_sweep(config, tmp_path / "sharded", progress=False, shard=(i, 3))
               for i in range(3)]
-    names = [[r["name"] for r in s] for s in shards]
-    assert sorted(sum(names, [])) == sorted(r["name"] for r in sequential)  # disjoint, complete
+    names = [[r.name for r in s] for s in shards]
+    assert sorted(sum(names, [])) == sorted(r.name for r in sequential)  # disjoint, complete
     assert not (tmp_path / "sharded" / "results.md").exists()  # shards write no report
     partial = sweep.collect_results(config, tmp_path / "partial")
-    assert {r["status"] for r in partial} == {"missing"}
+    assert {r.status for r in partial} == {"missing"}
     merged = sweep.collect_results(config, tmp_path / "sharded")
     assert sweep.write_reports(merged, tmp_path / "sharded") == \
         (tmp_path / "seq" / "results.md").read_text()
@@ -297,7 +327,7 @@ def _fake_variant_train(c, workdir, **kw):
 
 
 def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    monkeypatch.setattr(sweep_run, "train", _fake_variant_train)
     config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=3"])
     config.sweep.sizes = ({"name": "small", "d_model": 16}, {"d_model": 32})
     config.sweep.variants = ({"name": "base"},
@@ -319,7 +349,7 @@ def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
 
     results = sweep.run_sweep(config, tmp_path, progress=False)
     assert (tmp_path / "runs" / "small-late" / "nvfp4-seed2" / "result.json").exists()
-    val = {(r["variant"], r["policy"], r["seed"]): r["val_loss"] for r in results}
+    val = {(r.variant, r.policy, r.seed): r.val_loss for r in results}
 
     def gaps(variant, base):  # independent: the per-seed relative gaps
         return [100 * (val[(variant, "nvfp4", s)] - val[(base, "bf16", s)])
@@ -362,7 +392,7 @@ def test_baseline_and_reference_variants_name_whose_runs_a_variant_is_measured_a
         tmp_path, monkeypatch):
     """A change whose own cost is the question (an FP8 residual stream) takes its gaps from an
     earlier variant's bf16 runs, and a variant can be compared with any earlier one."""
-    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    monkeypatch.setattr(sweep_run, "train", _fake_variant_train)
     config = load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')", "sweep.seeds=3"])
     config.sweep.variants = (
         {"name": "base"},
@@ -374,7 +404,7 @@ def test_baseline_and_reference_variants_name_whose_runs_a_variant_is_measured_a
     assert [(x.base, x.reference) for x in v.values()] == [
         ("base", None), ("base", "base"), ("base", "base"), ("wide", "late")]
     results = sweep.run_sweep(config, tmp_path, progress=False)
-    val = {(r["variant"], r["policy"], r["seed"]): r["val_loss"] for r in results}
+    val = {(r.variant, r.policy, r.seed): r.val_loss for r in results}
 
     def gaps(variant, policy, base):
         return np.array([100 * (val[(variant, policy, s)] - val[(base, "bf16", s)])
@@ -404,7 +434,7 @@ def test_baseline_and_reference_variants_name_whose_runs_a_variant_is_measured_a
 
 
 def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "train", _fake_variant_train)
+    monkeypatch.setattr(sweep_run, "train", _fake_variant_train)
     config = load_config("sweep_tiny")
     for variants, error in (
             (({"train.lr": 0.1},), "needs a 'name'"),
@@ -445,7 +475,7 @@ def test_a_policy_file_is_identified_by_its_content(tmp_path, corpus_dir, monkey
     from fp4lab.policy import all_layers, save_policy
 
     calls = []
-    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: calls.append(c.name) or
+    monkeypatch.setattr(sweep_run, "train", lambda c, w, **kw: calls.append(c.name) or
                         _recording_train(c, w, **kw))
     policy = tmp_path / "policy.json"
     save_policy(all_layers("nvfp4"), policy)
@@ -465,7 +495,7 @@ def test_a_policy_file_is_identified_by_its_content(tmp_path, corpus_dir, monkey
         sweep.run_sweep(config, out, progress=False, shard=(0, 1))
     assert len(calls) == 2  # refused before anything trained
     save_policy(all_layers("nvfp4"), policy)  # as it was
-    assert [r["layers"] for r in sweep.run_sweep(config, out, progress=False, shard=(0, 1))
+    assert [r.layers for r in sweep.run_sweep(config, out, progress=False, shard=(0, 1))
             ] == [{"head": "bf16"}, {"head": "nvfp4"}] and len(calls) == 2
     # runs stored before config.json held the policy's hash: a named policy's is its name's
     # (the code's rules), a file's content then cannot be known
@@ -489,8 +519,9 @@ def test_the_whole_plan_is_checked_before_any_run_trains(tmp_path, corpus_dir, m
     from experiments.data import load_data
 
     calls, loads = [], []
-    monkeypatch.setattr(sweep, "train", lambda c, w, **kw: calls.append(c.name) or {})
-    monkeypatch.setattr(sweep, "load_data", lambda d: loads.append(d) or load_data(d))
+    monkeypatch.setattr(sweep_run, "train", lambda c, w, **kw: calls.append(c.name) or {
+        "status": "ok", "val_loss": 2.0, "final_train_loss": 2.0, "tokens_per_s": 1.0})
+    monkeypatch.setattr(sweep_run, "load_data", lambda d: loads.append(d) or load_data(d))
     for overrides, error in (
             (["sweep.policies=('bf16','nvfp4','nvfp5')"], "sweep run 'nvfp5': unknown policy"),
             (["sweep.policies=('bf16','file:/no/such.json')"], "/no/such.json"),
@@ -515,7 +546,7 @@ def test_the_whole_plan_is_checked_before_any_run_trains(tmp_path, corpus_dir, m
 def test_the_help_example_parses_and_plans_on_the_default_config():
     import shlex
 
-    ap = sweep._parser()
+    ap = sweep_cli._parser()
     text = next(a.help for a in ap._actions if a.dest == "overrides")
     example = shlex.split(text.split("e.g. ", 1)[1])
     args = ap.parse_args(example)
