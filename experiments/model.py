@@ -143,7 +143,7 @@ class ModelConfig:
     residual_format: str = ""
     residual_gate: bool = False
     # the MLP's squared ReLU kept for the backward pass as its input in this format and
-    # recomputed from it (fp4lab.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
+    # recomputed from it (fp4lab.saved.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
     mlp_saved: str = ""
 
     def __post_init__(self):
@@ -342,7 +342,7 @@ class MLP(nn.Module):
         h_BxLxF = _dense(cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
         act = _relu2
         if cfg.mlp_saved:
-            from fp4lab import recompute
+            from fp4lab.saved import recompute
 
             act = recompute(_relu2, cfg.mlp_saved)
         return _dense(x_BxLxD.shape[-1], "down", dtype)(act(h_BxLxF))

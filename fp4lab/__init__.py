@@ -1,7 +1,11 @@
 """fp4lab: low-precision training numerics for JAX.
 
-Everything a user needs is here (``fp4lab.quantize``, ``fp4lab.Recipe``,
+The core is here: formats, ``quantize``/``dequantize``/``fake_quant``, ``QArray``, recipes, the
+quantized GEMMs, policies, probes and metrics (``fp4lab.quantize``, ``fp4lab.Recipe``,
 ``fp4lab.nemotron3``, ...); :mod:`fp4lab.flax` is the Flax integration (``quantize_model``).
+Study tools live in their own modules, imported by name: ``fp4lab.saved`` (``recompute``),
+``fp4lab.attention`` (``flash_attention``), ``fp4lab.reduction``, ``fp4lab.mismatch`` and
+``fp4lab.export`` (``export.load``), and ``fp4lab.qdot.saved_bytes``.
 The modules, from the bottom up: ``formats`` (number formats as data), ``rounding`` (grids,
 exact division, packing), ``scaling`` (scale schemes), ``qarray`` (the QArray pytree),
 ``backend`` (the kernel table), ``quantize`` (quantize, dequantize, fake_quant), ``metrics``,
@@ -34,12 +38,7 @@ from fp4lab.policy import (
 )
 from fp4lab.probes import probe_table, probe_zeros
 from fp4lab.qarray import QArray
-from fp4lab.attention import flash_attention
-from fp4lab.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
-from fp4lab.qdot import qdot_general, qeinsum, saved_bytes
-from fp4lab.saved import recompute
-from fp4lab import export
-from fp4lab.export import load as load_exported
+from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.quantize import dequantize, fake_quant, quantize
 from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, Recipe, SavedX, get_recipe,
                            recipe_names)
@@ -54,11 +53,7 @@ __all__ = [
     "quant_metrics", "METRIC_NAMES", "probe_zeros", "probe_table",
     # GEMMs and recipes
     "qdot_general", "qeinsum", "Recipe", "OperandQuant", "OPERANDS", "RECIPES", "get_recipe",
-    "recipe_names", "DelayedScaling", "SavedX", "saved_bytes", "recompute",
-    # beyond the GEMM operands (fp4lab.reduction holds the gradient-reduction modes)
-    "flash_attention", "mismatch_metrics", "truncated_is_weights", "token_mult_prob_error",
-    # checkpoints for inference engines (GGUF, MXFP4, NVFP4: fp4lab.export)
-    "export", "load_exported",
+    "recipe_names", "DelayedScaling", "SavedX",
     # policies
     "PrecisionPolicy", "Rule", "Depth", "nemotron3", "nvfp4_paper", "all_layers", "explain",
     "get_policy", "load_policy", "save_policy", "PolicyWarning",

@@ -120,7 +120,7 @@ def test_the_residual_stream_stored_in_fp8(model_and_params):
 def test_the_mlp_recomputed_from_its_stored_input(model_and_params):
     """model.mlp_saved: the forward is unchanged, the down projection's gradient too (its
     input is kept as it came), and the gradient into the MLP's input is the squared ReLU's
-    at the FP8-stored hidden activations (fp4lab.recompute; numerics in test_saved.py)."""
+    at the FP8-stored hidden activations (fp4lab.saved.recompute; numerics in test_saved.py)."""
     model, params, tokens = model_and_params
     stored = HybridLM(dataclasses.replace(CFG, mlp_saved="fp8_block128"))
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4lab import cli
+from fp4lab import cli, export
 from fp4lab.formats import FORMATS
 
 
@@ -94,7 +94,7 @@ def test_export_writes_a_checkpoint_from_a_parameter_file(tmp_path, capsys):
         assert cli.main(["export", str(tmp_path / source), "--policy", "q4_0_qat",
                          "--layout", "gguf", "--out", str(out)]) == 0
         assert "wrote" in capsys.readouterr().out
-        back = fp4lab.load_exported(out)
+        back = export.load(out)
         np.testing.assert_array_equal(
             np.asarray(fp4lab.dequantize(back["blocks_0/mlp/up/kernel"])),
             np.asarray(fp4lab.dequantize(want)))

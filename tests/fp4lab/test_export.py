@@ -117,7 +117,7 @@ def test_every_layout_loads_back_to_the_same_weights(tmp_path, recipe, layout):
     w = export.quantized_weights(params, recipe, compute_dtype=jnp.bfloat16)
     target = tmp_path / ("m.gguf" if layout == "gguf" else "m")
     export.save(w, target, layout)
-    back = fp4lab.load_exported(target)
+    back = export.load(target)
     assert set(back) == set(w)
     for path, v in w.items():
         if not isinstance(v, fp4lab.QArray):
@@ -219,7 +219,7 @@ def test_a_gguf_file_made_by_ggml_loads_into_qarrays(tmp_path):
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
                  writer.write_tensors_to_file, writer.close):
         step()
-    back = fp4lab.load_exported(tmp_path / "g.gguf")
+    back = export.load(tmp_path / "g.gguf")
     assert back["blk.0.ffn_up.weight"].format.name == "int4_q4_0"
     for name, w, qtype in (("blk.0.ffn_up.weight", w4, gguf.GGMLQuantizationType.Q4_0),
                            ("blk.0.ffn_down.weight", w8, gguf.GGMLQuantizationType.Q8_0)):
@@ -235,7 +235,7 @@ def test_a_gguf_file_made_by_ggml_loads_into_qarrays(tmp_path):
                  writer.write_tensors_to_file, writer.close):
         step()
     with pytest.raises(ValueError, match="tensor 't' is GGML Q5_0"):
-        fp4lab.load_exported(tmp_path / "k.gguf")
+        export.load(tmp_path / "k.gguf")
 
 
 # ------------------------------------------------------------ the QAT forward's own weights
@@ -309,7 +309,7 @@ def test_a_float32_dense_exports_the_weight_its_qat_forward_multiplies(tmp_path)
     np.savez(tmp_path / "p.npz", **flat)
     assert cli.main(["export", str(tmp_path / "p.npz"), "--policy", "q4_0_qat", "--layout",
                      "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
-    served = fp4lab.load_exported(tmp_path / "m.gguf")
+    served = export.load(tmp_path / "m.gguf")
     for layer, w in forward.items():
         got = np.asarray(fp4lab.dequantize(served[f"{layer}/kernel"]))
         np.testing.assert_array_equal(got, w)
@@ -392,7 +392,7 @@ def test_stock_attention_kernels_export_as_their_qat_forward_multiplies(tmp_path
         for layer, w in forward.items():
             assert exported[layer].shape == (64, 64)
             np.testing.assert_array_equal(exported[layer], w)
-        back = fp4lab.load_exported(export.save(weights, tmp_path / f"{use_bias}.gguf",
+        back = export.load(export.save(weights, tmp_path / f"{use_bias}.gguf",
                                                 "gguf"))
         _same_qarray(back["out/kernel"], weights["out/kernel"])
     with pytest.raises(ValueError, match=r"key/kernel: a kernel of shape \(64, 2, 32\) whose "
@@ -444,14 +444,14 @@ def test_a_truncated_or_corrupt_file_is_named(tmp_path, recipe, layout):
     for n in (0, 4, 8, 30, len(raw) // 2, len(raw) - 1):
         f.write_bytes(raw[:n])
         with pytest.raises(ValueError, match="is truncated or corrupt") as e:
-            fp4lab.load_exported(target)
+            export.load(target)
         assert str(f) in str(e.value)
         if n == len(raw) - 1:
             assert repr(_last_tensor(raw, layout)) in str(e.value), str(e.value)
     for at in (2, 12, 60):  # flipped bytes in the header
         f.write_bytes(raw[:at] + bytes(b ^ 0xFF for b in raw[at:at + 4]) + raw[at + 4:])
         with pytest.raises(ValueError, match="is truncated or corrupt"):
-            fp4lab.load_exported(target)
+            export.load(target)
 
 
 def _last_tensor(raw: bytes, layout: str) -> str:
@@ -467,3 +467,21 @@ def _last_tensor(raw: bytes, layout: str) -> str:
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     header.pop("__metadata__", None)
     return max(header, key=lambda k: header[k]["data_offsets"][1])
+
+
+def test_import_fp4lab_is_the_core_alone():
+    """``import fp4lab`` loads the core (formats, quantizers, recipes, GEMMs, policies,
+    probes, metrics), not the study tools nor the export's file libraries."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fp4lab; print(' '.join(sorted(m for m in sys.modules if m in ("
+            "'fp4lab.export', 'fp4lab.attention', 'fp4lab.mismatch', 'fp4lab.reduction', "
+            "'fp4lab.flax', 'gguf', 'safetensors', 'flax'))))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert run.stdout.strip() == ""
+    assert {"quantize", "qdot_general", "PrecisionPolicy", "probe_table", "quant_metrics",
+            "QArray", "Recipe"} <= set(fp4lab.__all__)
+    assert not {"export", "load_exported", "flash_attention", "mismatch_metrics",
+                "recompute", "saved_bytes"} & set(fp4lab.__all__)

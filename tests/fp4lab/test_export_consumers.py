@@ -10,6 +10,8 @@ rounding boundary of the scale and element arithmetic), their non-finite values 
 layouts refuse, test_export.py) set to zero, and a Gaussian kernel.
 """
 
+import json
+import select
 import subprocess
 from pathlib import Path
 
@@ -24,20 +26,53 @@ import fp4lab
 from fp4lab import export
 
 ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "tests" / "consumers" / "dequantize.py"
-GGML_SCRIPT = ROOT / "tests" / "consumers" / "ggml_quantize.py"
+SERVER = ROOT / "tests" / "consumers" / "serve.py"
+TIMEOUT_S = 600  # for one script's run
+
+
+class Consumer:
+    """One process of the consumers' Python for the whole module (tests/consumers/serve.py:
+    torch, transformers and llama.cpp load once), running the consumer scripts on request."""
+
+    def __init__(self, python: Path, log: Path):
+        self.log = log
+        with log.open("w") as err:
+            self.process = subprocess.Popen([str(python), str(SERVER)], cwd=ROOT, text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=err)
+
+    def run(self, script: str, *args) -> None:
+        """``python tests/consumers/<script> args...``, in the shared process."""
+        self.process.stdin.write(json.dumps([script, *map(str, args)]) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else ""
+        tail = self.log.read_text(errors="replace")[-3000:]
+        assert line, f"{script} {args}: no answer (after {TIMEOUT_S} s or an exit)\n{tail}"
+        answer = json.loads(line)
+        assert answer["ok"], f"{script} {args}:\n{answer['error']}\n{tail}"
+
+    def close(self):
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 @pytest.fixture(scope="module")
-def consumer_python():
-    return python_of(CONSUMERS)
+def consumer(tmp_path_factory):
+    served = Consumer(python_of(CONSUMERS), tmp_path_factory.mktemp("consumer") / "log")
+    try:
+        yield served
+    finally:
+        served.close()
 
 
-def _consume(python, layout, checkpoint, tmp_path) -> dict[str, np.ndarray]:
+def _consume(consumer, layout, checkpoint, tmp_path) -> dict[str, np.ndarray]:
     out = tmp_path / f"{layout}.npz"
-    run = subprocess.run([str(python), str(SCRIPT), layout, str(checkpoint), str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
+    consumer.run("dequantize.py", layout, checkpoint, out)
     with np.load(out) as f:
         return {k: f[k] for k in f.files}
 
@@ -74,7 +109,7 @@ def _ulps(a, b) -> np.ndarray:
 
 
 def test_transformers_reads_the_mxfp4_checkpoint_as_fp4lab_dequantizes_it(
-        consumer_python, tmp_path):
+        consumer, tmp_path):
     weights = _weights("mxfp4")
     # gpt-oss's case: an expert stack W[e, in, out] quantized along in, stored as
     # experts.gate_up_proj_blocks [e, out, in/32, 16] and _scales [e, out, in/32]
@@ -84,7 +119,7 @@ def test_transformers_reads_the_mxfp4_checkpoint_as_fp4lab_dequantizes_it(
                     jnp.float32), "mxfp4", axis=1)
     assert len(weights) >= 2
     export.save(weights, tmp_path / "mx", "mxfp4")
-    got = _consume(consumer_python, "mxfp4", tmp_path / "mx", tmp_path)
+    got = _consume(consumer, "mxfp4", tmp_path / "mx", tmp_path)
     for path, q in weights.items():
         name = export.tensor_name(path)
         want = np.asarray(fp4lab.dequantize(q))
@@ -94,7 +129,7 @@ def test_transformers_reads_the_mxfp4_checkpoint_as_fp4lab_dequantizes_it(
 
 
 @pytest.mark.parametrize("layout", ["nvfp4", "nvfp4_modelopt"])
-def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer_python, tmp_path, layout):
+def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer, tmp_path, layout):
     """compressed-tensors dequantizes ``q * fl(s_b / g)``; Transformer Engine, and fp4lab,
     ``q * fl(fl(s_b * amax) * fl(1/2688))``. fp4lab's compressed-tensors checkpoint stores
     TE's ``g = 2688 / amax`` (``[1]``, float32), so in float32 the orders differ by at most
@@ -107,7 +142,7 @@ def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer_python, tmp_path
     weights = _weights("nvfp4")
     assert len(weights) > 3
     export.save(weights, tmp_path / layout, layout)
-    got = _consume(consumer_python, layout, tmp_path / layout, tmp_path)
+    got = _consume(consumer, layout, tmp_path / layout, tmp_path)
     worst, worst_bf16, differ_bf16, total = 0, 0, 0, 0
     for path, q in weights.items():
         module = export.tensor_name(path)
@@ -128,15 +163,15 @@ def test_compressed_tensors_reads_the_nvfp4_checkpoint(consumer_python, tmp_path
         assert worst_bf16 <= 1 and differ_bf16 < 0.2 * total, (worst_bf16, differ_bf16, total)
 
 
-def test_a_checkpoint_made_by_compressed_tensors_loads_into_qarrays(consumer_python, tmp_path):
+def test_a_checkpoint_made_by_compressed_tensors_loads_into_qarrays(consumer, tmp_path):
     """compressed-tensors quantizes and compresses two weights itself (NVFP4A16: its global
-    scale, group scales, packing and safetensors writer); fp4lab.load_exported recognizes the
+    scale, group scales, packing and safetensors writer); fp4lab.export.load recognizes the
     layout from the names and returns QArrays whose dequantization is compressed-tensors' own,
     within two float32 ulps (amax = 2688 / global scale, then Transformer Engine's order) and
     equal in BF16 except across a BF16 rounding point. compressed-tensors gives an all-zero
     group the scale 0.125 instead of 0; its values stay zero."""
-    got = _consume(consumer_python, "make_nvfp4", tmp_path / "ct", tmp_path)
-    back = fp4lab.load_exported(tmp_path / "ct")
+    got = _consume(consumer, "make_nvfp4", tmp_path / "ct", tmp_path)
+    back = export.load(tmp_path / "ct")
     assert set(back) == {"layers.0.mlp.up", "lm_head"}
     for module, q in back.items():
         assert q.format.name == "nvfp4" and q.shape == got[module + ".weight"].T.shape
@@ -176,17 +211,15 @@ def _ggml_blocks(fmt: str) -> np.ndarray:
     return np.concatenate(blocks + [ties, zeros, negative])
 
 
-def _c_bytes(python, qtype, rows, tmp_path) -> np.ndarray:
+def _c_bytes(consumer, qtype, rows, tmp_path) -> np.ndarray:
     np.save(tmp_path / "rows.npy", rows)
-    run = subprocess.run([str(python), str(GGML_SCRIPT), qtype, str(tmp_path / "rows.npy"),
-                          str(tmp_path / "c.npy")], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
+    consumer.run("ggml_quantize.py", qtype, tmp_path / "rows.npy", tmp_path / "c.npy")
     return np.load(tmp_path / "c.npy")
 
 
 @pytest.mark.parametrize("fmt, recipe, qtype", [
     ("int4_q4_0", "q4_0_qat", "Q4_0"), ("int8_q8_0", "q8_0_qat", "Q8_0")])
-def test_gguf_bytes_are_llama_cpps_own(consumer_python, tmp_path, fmt, recipe, qtype):
+def test_gguf_bytes_are_llama_cpps_own(consumer, tmp_path, fmt, recipe, qtype):
     """The GGUF file's Q4_0 / Q8_0 bytes equal those of llama.cpp's C quantizer
     (``ggml_quantize_chunk``: ``quantize_row_q4_0_ref`` / ``quantize_row_q8_0_ref``, as
     llama-cpp-python built them) on the same float weights, block for block, including the
@@ -201,7 +234,7 @@ def test_gguf_bytes_are_llama_cpps_own(consumer_python, tmp_path, fmt, recipe, q
     import gguf
 
     ours = np.asarray(gguf.GGUFReader(str(path)).tensors[0].data)
-    theirs = _c_bytes(consumer_python, qtype, rows, tmp_path)
+    theirs = _c_bytes(consumer, qtype, rows, tmp_path)
     size = theirs.shape[1] // 8
     differ = (ours.reshape(-1, size) != theirs.reshape(-1, size)).any(axis=1)
     assert ours.shape == theirs.shape and not differ.any(), (
@@ -212,4 +245,4 @@ def test_gguf_bytes_are_llama_cpps_own(consumer_python, tmp_path, fmt, recipe, q
     q = export.quantized_weights({"w": {"kernel": jnp.asarray(huge.T)}}, recipe)["w/kernel"]
     b = export._blocks("w/kernel", q)
     raw = export._q4_0_bytes(b) if qtype == "Q4_0" else export._q8_0_bytes(b)
-    np.testing.assert_array_equal(raw, _c_bytes(consumer_python, qtype, huge, tmp_path))
+    np.testing.assert_array_equal(raw, _c_bytes(consumer, qtype, huge, tmp_path))

@@ -14,6 +14,7 @@ import fp4lab
 import numpy_ref
 from fp4lab.qdot import qdot_general, saved_bytes
 from fp4lab.recipe import SavedX, get_recipe
+from fp4lab.saved import recompute
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -122,7 +123,7 @@ def _stored_numpy(h):
 def test_recompute_runs_the_forward_on_x_and_differentiates_at_the_stored_x():
     h = _hidden()
     g = jnp.asarray(np.asarray(jax.random.normal(jax.random.key(2), h.shape)), jnp.bfloat16)
-    block = fp4lab.recompute(_relu2, "fp8_block128")
+    block = recompute(_relu2, "fp8_block128")
     y, vjp = jax.vjp(jax.jit(block), h)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_relu2(h), np.float32))
     (dh,) = vjp(g)
@@ -143,7 +144,7 @@ def test_recompute_with_a_following_gemm_recomputes_it_too():
     def mlp_out(h, w):
         return jnp.dot(_relu2(h), w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    y, vjp = jax.vjp(jax.jit(fp4lab.recompute(mlp_out, SavedX("fp8_block128"))), h, w)
+    y, vjp = jax.vjp(jax.jit(recompute(mlp_out, SavedX("fp8_block128"))), h, w)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(mlp_out(h, w)))
     dh, dw = vjp(g)
     hr = jnp.asarray(_stored_numpy(h), jnp.bfloat16)
@@ -154,26 +155,26 @@ def test_recompute_with_a_following_gemm_recomputes_it_too():
 
 def test_recompute_keeps_only_the_codes_and_scales():
     h = _hidden()
-    leaves = jax.tree.leaves(jax.jit(lambda a: jax.vjp(fp4lab.recompute(_relu2), a)[1])(h))
+    leaves = jax.tree.leaves(jax.jit(lambda a: jax.vjp(recompute(_relu2), a)[1])(h))
     assert sorted((str(a.dtype), a.shape) for a in leaves if a.size) == [
         ("float32", (8, 2)), ("float8_e4m3fn", (8, 256))]
-    host = fp4lab.recompute(_relu2, SavedX("fp8_block128", offload=True))
+    host = recompute(_relu2, SavedX("fp8_block128", offload=True))
     kinds = {(str(a.dtype), a.sharding.memory_kind)
              for a in jax.tree.leaves(jax.jit(lambda a: jax.vjp(host, a)[1])(h)) if a.size}
     assert kinds == {("float8_e4m3fn", "pinned_host"), ("float32", "pinned_host")}
     np.testing.assert_array_equal(  # offload moves the codes, exactly
         np.asarray(jax.jit(jax.grad(lambda a: host(a).astype(jnp.float32).sum()))(h)),
-        np.asarray(jax.jit(jax.grad(lambda a: fp4lab.recompute(_relu2)(a).astype(
+        np.asarray(jax.jit(jax.grad(lambda a: recompute(_relu2)(a).astype(
             jnp.float32).sum()))(h)))
 
 
 def test_recompute_names_bad_arguments():
     with pytest.raises(ValueError, match="unknown format 'e9m9'"):
-        fp4lab.recompute(_relu2, "e9m9")
+        recompute(_relu2, "e9m9")
     with pytest.raises(TypeError, match="use a format name"):
-        fp4lab.recompute(_relu2, 8)
+        recompute(_relu2, 8)
     with pytest.raises(TypeError, match="argument leaf 1 has dtype int32"):
-        fp4lab.recompute(lambda h, n: h * n)(_hidden(), jnp.int32(2))
+        recompute(lambda h, n: h * n)(_hidden(), jnp.int32(2))
 
 
 def test_recompute_at_infinities_nan_max_and_subnormals():
@@ -183,7 +184,7 @@ def test_recompute_at_infinities_nan_max_and_subnormals():
     big = np.finfo(np.float32).max
     vals = np.float32([np.inf, -np.inf, np.nan, big, -big, 1e-40, -1e-40, 2.0 ** -9, -0.0, 3.0])
     x = jnp.asarray(np.tile(vals, 26)[:256].reshape(2, 128))
-    y, vjp = jax.vjp(fp4lab.recompute(jnp.square, "fp8_block128"), x)
+    y, vjp = jax.vjp(recompute(jnp.square, "fp8_block128"), x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jnp.square(x)))
     (dx,) = vjp(jnp.ones_like(x))
     stored = np.asarray(fp4lab.dequantize(fp4lab.quantize(x, "fp8_block128")))
