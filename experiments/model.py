@@ -1,7 +1,9 @@
 """A small decoder-only hybrid Mamba-Transformer LM in the Nemotron-H style (Flax Linen).
 
-Written without fp4lab, like any user's model: precision comes from a policy applied with
-``fp4lab.flax.quantize_model``. Its layer paths are what the policy presets expect:
+Its GEMMs are written without fp4lab, like any user's model: their precision comes from a
+policy applied with ``fp4lab.flax.quantize_model``. The precision decisions beyond the GEMMs
+(below) call fp4lab's functions where a user's model would. Its layer paths are what the
+policy presets expect:
 
 * ``embed`` (an ``nn.Embed``, not a GEMM), ``head`` (the output projection), and the optional
   multi-token-prediction head ``mtp_proj``, ``mtp_block/mlp/{up,down}``, ``mtp_head`` (its own
