@@ -86,10 +86,15 @@ def explain(policy: str | PrecisionPolicy, model, *, num_blocks: int | None = No
     """:func:`fp4lab.policy.explain` over a model's layers (:func:`linear_layers`: an NNX
     module, or Linen variables), or over paths / ``(path, kind)`` pairs as given. For a
     Linen model's true kinds and its calls inside modules, use
-    ``quantize_model(model, policy).explain(variables, x)``."""
+    ``quantize_model(model, policy).explain(variables, x)``. An NNX model quantized under
+    ``policy`` answers from its record (:func:`assignments`)."""
+    policy = get_policy(policy)
+    record = getattr(model, _RECORD, None)
+    if record is not None and record.policy == policy and block is None and not strict and (
+            num_blocks is None):
+        return assignments(model)  # what quantize_model gave each GEMM, as it gave it
     layers = model if isinstance(model, (list, tuple)) else linear_layers(model)
-    return _explain(get_policy(policy), layers, num_blocks=num_blocks, strict=strict,
-                    block=block)
+    return _explain(policy, layers, num_blocks=num_blocks, strict=strict, block=block)
 
 
 def op_calls(model, *inputs, call_kwargs: dict | None = None) -> list[tuple[str, str]]:

@@ -194,6 +194,7 @@ def test_the_model_records_what_each_gemm_got():
 
     m = quantize_model(WithHead(nnx.Rngs(0)), nemotron3(bf16_tail=0))
     rows = {a.path: (a.stack, a.recipe.name) for a in assignments(m)}
+    assert explain(nemotron3(bf16_tail=0), m) == assignments(m)  # explain reads the record
     assert rows == {"blocks/down": ((L,), "nvfp4"), "blocks/up": ((L,), "nvfp4"),
                     "head": ((), "bf16")}
     row = next(line.split() for line in str(assignments(m)).splitlines()
