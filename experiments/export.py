@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def export_run(workdir, layout: str, out, *, policy: str | None = None):
                                rngs={"quant": jax.random.key(0)})
     return fp4lab_export.export(
         {"params": run.params}, record, out, layout,
-        metadata={"run": str(workdir), "policy_name": name, "seed": run.config.seed})
+        metadata={"run": Path(workdir).name, "policy_name": name, "seed": run.config.seed})
 
 
 def with_weights(params, weights: dict[str, np.ndarray]) -> dict:

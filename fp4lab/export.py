@@ -440,12 +440,54 @@ def _write_gguf(gguf, tensors, path: Path, names, metadata, arch: str):
             raise TypeError(f"{p}: dtype {a.dtype}; GGUF takes float32, float16 or bfloat16")
         index[name] = {"path": p, "transposed": kernel, "format": str(a.dtype)}
     writer.add_string("fp4lab.tensors", json.dumps(index, sort_keys=True))
+    writer.add_file_type(_gguf_file_type(gguf, index))
     for key, v in (metadata or {}).items():
-        writer.add_string(f"fp4lab.{key}", v if isinstance(v, str) else json.dumps(v))
+        if key.split(".")[0] in (arch, "general", "tokenizer"):  # a key the reader knows
+            _add_typed(gguf, writer, key, v)
+        else:
+            writer.add_string(f"fp4lab.{key}", v if isinstance(v, str) else json.dumps(v))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_typed(gguf, writer, key: str, v) -> None:
+    """``key`` written with its value's GGUF type, as llama.cpp reads the keys of an
+    architecture (``llama.block_count``: uint32; ``...norm_rms_epsilon``: float32; arrays
+    for per-layer values)."""
+    T = gguf.GGUFValueType
+    if isinstance(v, (list, tuple)):
+        kinds = {type(x) for x in v}
+        if not v or len(kinds) != 1 or not kinds <= {int, float, str, bool}:
+            raise ValueError(f"GGUF key {key!r}: an array needs elements of one type (int, "
+                             f"float, str or bool), not {sorted(k.__name__ for k in kinds)}")
+        sub = {bool: T.BOOL, int: T.INT32 if min(v) < 0 else T.UINT32, float: T.FLOAT32,
+               str: T.STRING}[kinds.pop()]
+        writer.add_key_value(key, list(v), T.ARRAY, sub_type=sub)
+        return
+    if isinstance(v, bool):
+        writer.add_bool(key, v)
+    elif isinstance(v, int):
+        (writer.add_uint32 if 0 <= v < 2 ** 32 else writer.add_int64)(key, v)
+    elif isinstance(v, float):
+        writer.add_float32(key, v)
+    elif isinstance(v, str):
+        writer.add_string(key, v)
+    else:
+        raise ValueError(f"GGUF key {key!r}: a value of type {type(v).__name__}; GGUF keys take "
+                         "int, float, str, bool or a list of one of them")
+
+
+def _gguf_file_type(gguf, index: dict) -> int:
+    """llama.cpp's ``general.file_type``: the type of most quantized weights (Q4_0, Q8_0),
+    else of the kernels (BF16, F16, F32)."""
+    kinds = [v["format"] for v in index.values() if v["transposed"]]
+    F = gguf.LlamaFileType
+    by_format = {"int4_q4_0": F.MOSTLY_Q4_0, "int8_q8_0": F.MOSTLY_Q8_0,
+                 "bfloat16": F.MOSTLY_BF16, "float16": F.MOSTLY_F16, "float32": F.ALL_F32}
+    found = [by_format[k] for k in kinds if k in by_format]
+    return int(max(set(found), key=found.count)) if found else int(F.ALL_F32)
 
 
 def _corrupt(path: Path, detail) -> ValueError:
@@ -758,7 +800,10 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
     returns) to ``path`` in ``layout`` (:data:`LAYOUTS`): a ``.gguf`` file for ``gguf``, a
     folder (``model.safetensors``, ``config.json``) for the others. ``names`` maps a path to
     its tensor name (default :func:`tensor_name`); ``metadata`` is stored alongside (GGUF:
-    ``fp4lab.<key>`` strings; the others: ``config.json``'s ``fp4lab`` section);
+    keys of the architecture, ``general.*`` and ``tokenizer.*`` as given, with their values'
+    GGUF types, e.g. ``{"llama.block_count": 2}`` a uint32; any other key as the string
+    ``fp4lab.<key>``; ``general.file_type`` from the weights; the others: ``config.json``'s
+    ``fp4lab`` section);
     ``input_amax`` gives NVFP4 layers their static activation amax (ModelOpt's
     ``input_scale = amax / 2688``); ``arch``: GGUF's ``general.architecture``."""
     if layout not in LAYOUTS:

@@ -485,3 +485,38 @@ def test_import_fp4lab_is_the_core_alone():
             "QArray", "Recipe"} <= set(fp4lab.__all__)
     assert not {"export", "load_exported", "flash_attention", "mismatch_metrics",
                 "recompute", "saved_bytes"} & set(fp4lab.__all__)
+
+
+def test_gguf_keys_of_the_architecture_are_typed(tmp_path):
+    """A user's report: save(..., arch="llama", metadata={"llama.block_count": 1}) wrote
+    the string ``fp4lab.llama.block_count``, so no architecture key a llama.cpp loader reads
+    could be written. Keys of the architecture, ``general.*`` and ``tokenizer.*`` keep their
+    names and get their GGUF types; the rest stay fp4lab's strings; the file type is the
+    weights'."""
+    import gguf
+
+    params = {"blk": {"kernel": jnp.ones((64, 32))}, "norm": {"scale": jnp.ones(32)}}
+    weights = export.quantized_weights(params, "q4_0_qat")
+    path = export.save(weights, tmp_path / "m.gguf", "gguf", arch="llama", metadata={
+        "llama.block_count": 1, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.attention.head_count_kv": [0, 2], "general.name": "tiny", "note": {"a": 1}})
+    fields = gguf.GGUFReader(path).fields
+    T = gguf.GGUFValueType
+
+    def value(key):
+        f = fields[key]
+        return f.types, f.contents()
+
+    assert value("general.architecture") == ([T.STRING], "llama")
+    assert value("llama.block_count") == ([T.UINT32], 1)
+    types, eps = value("llama.attention.layer_norm_rms_epsilon")
+    assert types == [T.FLOAT32] and abs(eps - 1e-5) < 1e-12
+    assert value("llama.attention.head_count_kv") == ([T.ARRAY, T.UINT32], [0, 2])
+    assert value("general.name") == ([T.STRING], "tiny")
+    assert value("fp4lab.note") == ([T.STRING], '{"a": 1}')
+    assert value("general.file_type")[1] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert "fp4lab.llama.block_count" not in fields
+    with pytest.raises(ValueError, match="'llama.bad': an array needs elements of one type"):
+        export.save(weights, tmp_path / "n.gguf", "gguf", arch="llama",
+                    metadata={"llama.bad": [1, "x"]})
+    assert not (tmp_path / "n.gguf").exists()
