@@ -131,25 +131,16 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
     if reduce is None:
         return lambda *args: grad_fn(*args) + ({},)
+    return _per_replica_grad_fn(loss_fn, grad_fn, reduce, mesh, with_local)
+
+
+def _per_replica_grad_fn(loss_fn, grad_fn, reduce: GradReduce, mesh, with_local: bool):
+    """:func:`make_grad_fn` with an explicit reduction: ``grad_fn`` (``loss_fn``'s
+    ``value_and_grad``) per replica of ``mesh``'s ``data`` axis under ``shard_map``, the
+    gradients reduced with ``reduce``'s modes."""
     from jax.sharding import PartitionSpec as P
 
     from fp4lab.reduction import all_reduce
-
-    def survival(params, history, tokens, weights, key, counts):
-        """The head kernel's gradient parts from the main and the MTP loss, reduced."""
-        from fp4lab.reduction import surviving_fraction
-
-        def parts(head):
-            p = {**params, "head": {**params["head"], "kernel": head}}
-            loss, main = loss_fn(p, None, history, tokens, weights, key, counts)
-            return main, loss - main
-
-        (main, mtp), pull = jax.vjp(parts, params["head"]["kernel"])
-        g_main, = pull((jnp.ones_like(main), jnp.zeros_like(mtp)))
-        g_mtp, = pull((jnp.zeros_like(main), jnp.ones_like(mtp)))
-        stacked = [jax.lax.all_gather(g, "data") for g in (g_main, g_mtp)]
-        s = surviving_fraction(*stacked, reduce.mode_of("head/kernel"))
-        return {"mtp_grad_survival": s["fraction"], "mtp_grad_error": s["error"]}
 
     def local(params, history, tokens, weights, key):
         i = jax.lax.axis_index("data")
@@ -164,8 +155,8 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
             lambda path, g: all_reduce(g, "data", reduce.mode_of(
                 jax.tree_util.keystr(path, simple=True, separator="/"))) / n, grads)
         seen = None if seen is None else jax.tree.map(lambda a: jax.lax.pmax(a, "data"), seen)
-        extra = (survival(params, history, tokens, weights, key, counts) if reduce.survival
-                 else {})
+        extra = (_mtp_grad_survival(loss_fn, reduce, params, history, tokens, weights, key,
+                                    counts) if reduce.survival else {})
         out = ((jax.lax.psum(loss, "data") / n, jax.lax.psum(main, "data") / n),
                (reduced, None, seen), extra)
         return out + ((jax.tree.map(lambda g: g[None], grads),) if with_local else ())
@@ -181,6 +172,26 @@ def make_grad_fn(qmodel, mtp_weight: float, reduce: GradReduce | None, mesh=None
                              check_vma=False)(params, history, tokens, weights, key)
 
     return grads
+
+
+def _mtp_grad_survival(loss_fn, reduce: GradReduce, params, history, tokens, weights, key,
+                       counts) -> dict:
+    """Inside a replica: the head kernel's gradient parts from the main and the MTP loss,
+    gathered over the ``data`` axis, and the share of the MTP part that survives their
+    reduction in the head's mode (``mtp_grad_survival``, ``mtp_grad_error``)."""
+    from fp4lab.reduction import surviving_fraction
+
+    def parts(head):
+        p = {**params, "head": {**params["head"], "kernel": head}}
+        loss, main = loss_fn(p, None, history, tokens, weights, key, counts)
+        return main, loss - main
+
+    (main, mtp), pull = jax.vjp(parts, params["head"]["kernel"])
+    g_main, = pull((jnp.ones_like(main), jnp.zeros_like(mtp)))
+    g_mtp, = pull((jnp.zeros_like(main), jnp.ones_like(mtp)))
+    stacked = [jax.lax.all_gather(g, "data") for g in (g_main, g_mtp)]
+    s = surviving_fraction(*stacked, reduce.mode_of("head/kernel"))
+    return {"mtp_grad_survival": s["fraction"], "mtp_grad_error": s["error"]}
 
 
 def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool,
