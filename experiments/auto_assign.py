@@ -114,13 +114,11 @@ def recommend(config, workdir: str | Path, *, ladder=("nvfp4", "mxfp8", "bf16"),
 
 @command
 def main(argv=None) -> int:
-    from experiments.configs import describe_keys, load_config
+    from experiments.configs import keys_help, load_config
 
     ap = argparse.ArgumentParser(
         description="Recommend a per-layer precision policy from short probe runs.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (override with key=value) and their defaults in "
-               f"configs/default.py:\n{describe_keys(load_config('default'))}")
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help("default"))
     ap.add_argument("--config", default="default")
     ap.add_argument("--workdir", default="results/auto")
     ap.add_argument("--out", default=None, help="policy JSON (default: <workdir>/policy.json)")

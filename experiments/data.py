@@ -368,19 +368,18 @@ def load_tokens(path, *, val_path=None, token_format: str = "auto", vocab_size: 
 def load_data(d) -> TextData:
     """The data of a config's ``data`` section: the token files of ``data.tokens`` when it is
     set (:func:`load_tokens`), else the text of ``data.paths`` (:func:`load_text`)."""
-    get = d.get
-    if get("tokens"):
-        if tuple(get("paths") or ()):
-            raise ValueError(f"set data.tokens ({get('tokens')!r}) or data.paths "
-                             f"({tuple(get('paths'))!r}), not both")
-        return load_tokens(get("tokens"), val_path=get("val_tokens") or None,
-                           token_format=get("token_format") or "auto",
-                           vocab_size=get("vocab_size") or 0, seq_len=get("seq_len") or 0)
-    stray = [k for k in ("val_tokens", "vocab_size") if get(k)]
-    if get("token_format") not in (None, "", "auto"):
+    if d.tokens:
+        if tuple(d.paths or ()):
+            raise ValueError(f"set data.tokens ({d.tokens!r}) or data.paths "
+                             f"({tuple(d.paths)!r}), not both")
+        return load_tokens(d.tokens, val_path=d.val_tokens or None,
+                           token_format=d.token_format or "auto",
+                           vocab_size=d.vocab_size or 0, seq_len=d.seq_len or 0)
+    stray = [k for k in ("val_tokens", "vocab_size") if d[k]]
+    if d.token_format not in (None, "", "auto"):
         stray.append("token_format")
     if stray:
-        raise ValueError(f"data.{stray[0]}={get(stray[0])!r} is set but data.tokens is not "
+        raise ValueError(f"data.{stray[0]}={d[stray[0]]!r} is set but data.tokens is not "
                          "(the byte data has its own vocabulary, 256)")
-    return load_text(list(get("paths") or ()) or None, val_fraction=d.val_fraction,
-                     suffixes=tuple(get("suffixes", ())))
+    return load_text(list(d.paths or ()) or None, val_fraction=d.val_fraction,
+                     suffixes=tuple(d.suffixes))

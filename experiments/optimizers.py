@@ -32,15 +32,9 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
-__all__ = ["make_optimizer", "make_schedule", "muon_partition", "MUON_DEFAULTS",
-           "OPTIMIZERS"]
+__all__ = ["make_optimizer", "make_schedule", "muon_partition", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adamw", "muon")
-
-# train.muon's keys and defaults (experiments/configs/default.py uses these)
-MUON_DEFAULTS = dict(ns_steps=5, ns_coeffs="standard", beta=0.95, nesterov=True,
-                     consistent_rms=0.2, mu_dtype=None, split_qkv_heads=True,
-                     adam_lr_ratio=1.0)
 
 # modules outside the blocks whose kernels are not hidden matrices: the inner AdamW's
 _ADAMW_MODULES = ("head", "mtp_head")
@@ -106,11 +100,12 @@ def _split_qkv(tx: optax.GradientTransformation, num_heads: int) -> optax.Gradie
 
 
 def _muon(t, sched, num_heads: int | None) -> optax.GradientTransformation:
-    m = dict(MUON_DEFAULTS, **dict(t.get("muon", {})))
-    unknown = sorted(set(m) - set(MUON_DEFAULTS))
+    from experiments.configs.default import get_config
+
+    m, known = t.muon, get_config().train.muon  # (a key set by hand, e.g. a typo: refused)
+    unknown = sorted(set(m) - set(known))
     if unknown:
-        raise ValueError(f"train.muon has unknown keys {unknown}; known: "
-                         f"{', '.join(MUON_DEFAULTS)}")
+        raise ValueError(f"train.muon has unknown keys {unknown}; known: {', '.join(known)}")
     coeffs = m["ns_coeffs"]
     if not isinstance(coeffs, str):
         shape = np.shape(coeffs)
@@ -137,7 +132,7 @@ def make_optimizer(t, num_heads: int | None = None) -> tuple[optax.GradientTrans
     schedule from the ``train`` section of a config; ``num_heads``: attention's, for Muon's
     per-head ``qkv`` split."""
     sched = make_schedule(t)
-    name = t.get("optimizer", "adamw")
+    name = t.optimizer
     if name == "adamw":
         opt = optax.adamw(sched, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay)
     elif name == "muon":

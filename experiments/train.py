@@ -1,62 +1,10 @@
-"""Train the hybrid LM under a precision policy, with numerics probes, checkpoints and resume.
+"""Train the hybrid LM under a precision policy: :func:`train` runs (or resumes) one
+experiment in a folder and returns its result; :func:`main` is its command line.
 
-``train(config, workdir)`` runs one experiment and returns its result (also written atomically
-to ``workdir/result.json``). This module owns the run: setup, the loop, checkpoints and
-resume, Ctrl-C, divergence and the command line. The pure state, optimizer, loss and step
-are in ``experiments.step``, the files a run writes in ``experiments.records``, the probe
-records and summaries in ``experiments.probes``. What a run does:
-
-* optax AdamW or Muon (``train.optimizer``, ``experiments.optimizers``) with a cosine or
-  warmup-stable-decay (WSD) schedule and gradient clipping; FP32 master weights, BF16
-  compute (the model's ``dtype``); the policy quantizes every GEMM;
-* one jitted step (state donated) with no host sync: metrics stay on the device until the next
-  log step, when they are fetched together;
-* data-parallel over all devices (the batch is sharded on a ``data`` mesh axis, the state
-  replicated; XLA inserts the gradient all-reduce); on several hosts run one process per host
-  with ``--distributed`` (``jax.distributed.initialize()``, the cluster auto-detected or
-  given by ``--coordinator HOST:PORT --num-processes N --process-id I``; on CPU the
-  collectives go through gloo): every process computes the same global batch and supplies
-  its own devices' rows. Process 0 writes the run's files, the workdir must be shared (orbax
-  checkpoints need it anyway), every process saves and restores the checkpoints;
-* orbax checkpoints every ``train.ckpt_every`` steps and at the end; a rerun in the same
-  workdir resumes from the latest one bit-exactly (batches and SR keys are functions of the
-  step, metrics written after the checkpoint are dropped and recomputed), but only with the
-  same config: a workdir holding a run with another config is refused (naming the keys that
-  differ) unless ``allow_changes`` (``--allow-changes train.steps``) names them, and then
-  ``config_changes.jsonl`` and ``result.json`` record what changed at which step;
-* ``config.json``: the config with what it resolved to (:func:`config_record`): the model's
-  vocabulary (the data's when larger, as for token files) and the policy's rules and their
-  hash (``precision.policy_rules``, ``precision.policy_sha256``). A policy is identified by
-  what it says, not by its name or path: a run whose ``file:`` policy was edited since is
-  refused like one with another config (and so is reading it back, ``runs.load_run``);
-* a config no run can train (a size of 0, a negative step count, a fraction outside [0, 1],
-  an unknown backend) is refused before anything is loaded (:func:`check_config`);
-* Ctrl-C stops after the step in progress, saves a checkpoint and says how to resume
-  (:class:`TrainingInterrupted`; a second Ctrl-C aborts at once); the processes of a
-  multi-process run agree on it at the next log step and all stop there;
-* ``run_info.json`` (written when the run starts, and in ``result.json`` under
-  ``run_info``): package versions, git commit, devices, processes, host, start time
-  (``experiments.runinfo``); ``result.json``'s ``data``: what the run read (its source,
-  files, bytes and tokens per split, vocabulary: ``TextData.record``);
-* ``metrics.jsonl`` (one line per step, plus ``val`` and ``probe`` lines) and TensorBoard
-  event files under ``tb/``; a tqdm progress bar with loss and tokens/s;
-* a non-finite loss or gradient: the step is rejected on the device, the last good state is
-  saved and :class:`TrainingDiverged` names the step;
-* ``train.bf16_last_fraction``: the last fraction of the steps run with every layer in BF16
-  (the NVFP4 paper's late precision switch);
-* ``train.grad_reduce``: ``"xla"`` (XLA's all-reduce), or the data-parallel reduction
-  spelled out per replica in ``fp32``, ``bf16_wire``, ``bf16_ring`` or ``bf16_tree``
-  (``fp4lab.reduction``), per parameter with ``train.grad_reduce_rules`` (``(regex, mode)``
-  on paths like ``head/kernel``; Nemotron 3 Ultra's regression was the output layer only);
-  ``train.grad_survival`` (with ``model.mtp_tied_head``) logs per step the share of the MTP
-  loss's gradient to the shared output layer that survives the reduction
-  (``mtp_grad_survival``, ``mtp_grad_error``);
-* numerics probes every ``probes.every`` steps: for every quantized layer and each of the six
-  GEMM operands (fprop X/W, dgrad dY/W, wgrad X/dY, the gradients being that step's real
-  ones) underflow, saturation, relative MSE, SQNR and scale health (``fp4lab.probes``).
-  ``probes.fused=True`` computes them in the training step itself (one compiled program, about
-  10 % slower per step on CPU), ``False`` compiles a separate probing step used only on probe
-  steps (better for long runs).
+This module owns the run: checks, setup, the loop, checkpoints and resume, Ctrl-C,
+divergence, several processes. The pure state, optimizer, loss and step are in
+``experiments.step``, the files a run writes in ``experiments.records``, the probe records
+in ``experiments.probes``; what a run does and records: docs/experiments.md ("One run").
 
     python -m experiments.train --config experiments/configs/default.py train.steps=300 \
         precision.policy=nemotron3 --workdir results/runs/nemotron3
@@ -153,12 +101,10 @@ _RANGES = {"train.lr": ("(0, inf)", lambda v: 0 < v < math.inf),
 
 
 def _values(config, keys):
-    """``(key, value)`` of each dotted key the config has (a run stored before a key existed
-    has not)."""
+    """``(key, value)`` of each dotted ``section.name`` key."""
     for key in keys:
         section, name = key.split(".")
-        if name in config.get(section, {}):
-            yield key, config[section][name]
+        yield key, config[section][name]
 
 
 def check_config(config):
@@ -182,7 +128,7 @@ def check_config(config):
     except TypeError:
         raise ValueError(f"model.dtype={config.model.dtype!r} is not a dtype name (bfloat16, "
                          "float32, ...)") from None
-    backend = config.precision.get("backend", "auto")
+    backend = config.precision.backend
     if backend not in BACKENDS:
         raise ValueError(f"precision.backend={backend!r}: use one of {', '.join(BACKENDS)}")
     make_optimizer(t, num_heads=config.model.num_heads)  # the optimizer and schedule names
@@ -192,7 +138,9 @@ def check_config(config):
 
 
 def check_data(config, data: TextData, n_devices: int):
-    """What the config asks of the data and the devices."""
+    """What the config asks of the data and the devices: ValueError if ``data.batch_size``
+    does not split over ``n_devices`` or a split of ``data`` holds no more than
+    ``data.seq_len + 2`` tokens."""
     d = config.data
     if d.batch_size % n_devices:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by the "
@@ -207,20 +155,18 @@ def _grad_reduce(config) -> GradReduce | None:
     """``train.grad_reduce``: ``"xla"`` (XLA's all-reduce of the global gradient) or a mode
     of ``fp4lab.reduction`` with per-parameter ``train.grad_reduce_rules``."""
     t = config.train
-    mode = t.get("grad_reduce", "xla")
-    survival = bool(t.get("grad_survival", False))
+    mode, survival = t.grad_reduce, bool(t.grad_survival)
     if mode == "xla":
-        if t.get("grad_reduce_rules", ()) or survival:
+        if t.grad_reduce_rules or survival:
             raise ValueError("train.grad_reduce_rules and train.grad_survival need "
                              "train.grad_reduce set to a mode (fp32, bf16_wire, bf16_ring, "
                              "bf16_tree), not 'xla'")
         return None
-    if survival and not (config.model.mtp and config.model.get("mtp_tied_head", False)):
+    if survival and not (config.model.mtp and config.model.mtp_tied_head):
         raise ValueError("train.grad_survival measures the MTP loss's share of the shared "
                          "output layer's gradient: it needs model.mtp=True and "
                          "model.mtp_tied_head=True")
-    return GradReduce(mode, tuple(tuple(r) for r in t.get("grad_reduce_rules", ())),
-                      survival)
+    return GradReduce(mode, tuple(tuple(r) for r in t.grad_reduce_rules), survival)
 
 
 # ----------------------------------------------------------------------------- identity
@@ -230,6 +176,7 @@ def resolve_policy(config) -> PrecisionPolicy:
     """The config's precision policy. A config read back from a run's ``config.json`` (which
     holds the policy's hash) must still resolve to the policy the run trained under."""
     policy = policies.get(config.precision.policy)
+    # (a fresh config has no hash: only config_record adds it)
     then, now = config.precision.get("policy_sha256"), policies.fingerprint(policy)
     if then and then != now:
         raise ValueError(f"run {config.name!r} was "
@@ -263,10 +210,10 @@ def stored_changes(workdir, record: dict, data: TextData) -> dict[str, tuple] | 
     if not path.exists():
         return None
     stored = json.loads(path.read_text())
-    precision, model = stored.setdefault("precision", {}), stored.setdefault("model", {})
+    precision, model = stored["precision"], stored["model"]
     if "policy_sha256" not in precision:
-        model["vocab"] = max(model.get("vocab", 0), data.vocab_size)
-        if not str(precision.get("policy", "")).startswith("file:"):
+        model["vocab"] = max(model["vocab"], data.vocab_size)
+        if not precision["policy"].startswith("file:"):
             precision["policy_sha256"] = record["precision"]["policy_sha256"]
     return config_changes(stored, record)
 
@@ -349,7 +296,7 @@ def _build(config, data: TextData | None) -> _Setup:
     tx, sched = make_optimizer(t, num_heads=config.model.num_heads)
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
-    qmodel = quantize_model(model, policy, backend=config.precision.get("backend", "auto"))
+    qmodel = quantize_model(model, policy, backend=config.precision.backend)
     history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1), amax_history=history)
@@ -520,7 +467,10 @@ class _StepLog:
 
 class _Programs:
     """The compiled train steps (per model and probing) and evaluations of one run; a new
-    program marks the log's interval (its compile time is not training time)."""
+    program marks the log's interval (its compile time is not training time). With
+    ``probes.fused`` every step of the quantized model computes the probes (one program,
+    about 10 % slower per step on CPU); without, a second program probes on probe steps
+    only."""
 
     def __init__(self, config, setup: _Setup, log: _StepLog):
         self.config, self.setup, self.log = config, setup, log
@@ -549,7 +499,10 @@ class _Programs:
 
 @dataclasses.dataclass
 class _Loop:
-    """The training loop of one run, from ``state`` (the resumed one) to ``train.steps``."""
+    """The training loop of one run, from ``state`` (the resumed one) to ``train.steps``: the
+    quantized model until the last ``train.bf16_last_fraction`` of the steps, the all-BF16
+    twin after (the late precision switch); a checkpoint every ``train.ckpt_every`` steps and
+    at the end."""
 
     config: object
     setup: _Setup
@@ -688,15 +641,27 @@ def _result(config, setup: _Setup, records: RunRecords, probe_history: list[dict
 
 def train(config, workdir, *, data: TextData | None = None, progress: bool = True,
           allow_changes=()) -> dict:
-    """Run (or resume) one experiment in ``workdir``; returns the result dict.
+    """Run (or resume) one experiment in ``workdir``; returns the result dict, also written
+    atomically to ``workdir/result.json``.
 
-    ``allow_changes``: config keys (``"train.steps"``) or sections (``"train"``) that may
-    differ from the run already in ``workdir`` when resuming it (see the module docstring)."""
+    The config is checked before anything loads (:func:`check_config`, then
+    :func:`check_data`); ``data``: the config's data already loaded (a sweep's). A new
+    folder starts the run; a folder holding a checkpoint resumes its latest one bit-exactly
+    (batches and stochastic-rounding keys are functions of the step; the metrics written
+    after the checkpoint are dropped and recomputed), but only if its ``config.json``
+    (:func:`config_record`) equals this config's record, except for the keys
+    (``"train.steps"``) or sections (``"train"``) in ``allow_changes``, which
+    ``config_changes.jsonl`` and the result then record; otherwise ValueError naming the keys
+    (:func:`describe_changes`). Every device takes part (data parallelism); in a
+    multi-process run (``jax.distributed``) only process 0 writes files and every process
+    saves and restores the checkpoints in the shared ``workdir``. A non-finite loss or
+    gradient saves the last good state and raises :class:`TrainingDiverged`; Ctrl-C stops
+    after the step in progress, saves and raises :class:`TrainingInterrupted`."""
     workdir = Path(workdir).resolve()
     if workdir.exists() and not workdir.is_dir():
         raise NotADirectoryError(f"workdir {str(workdir)!r} is a file: a run's files need a "
                                  "folder (a new one, or the run's to resume it)")
-    if config.get("compile_cache"):
+    if config.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
     setup = _build(config, data)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -731,13 +696,11 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
 def _parser(default: str):
     import argparse
 
-    from experiments.configs import describe_keys, load_config
+    from experiments.configs import keys_help
 
     ap = argparse.ArgumentParser(
         description="Train the hybrid LM under a precision policy.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (override with key=value) and their defaults in "
-               f"configs/default.py:\n{describe_keys(load_config(default))}")
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(default))
     ap.add_argument("--config", default=default)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--distributed", action="store_true", help="call "
@@ -772,6 +735,10 @@ def _initialize_distributed(args, ap):
 
 @command
 def main(argv=None) -> int:
+    """``python -m experiments.train``: one run (:func:`train`) of ``--config`` with
+    ``key=value`` overrides in ``--workdir``; prints the result. Exit status 0, 130 after
+    Ctrl-C (the run saved; the same command resumes it), 2 for a user's mistake
+    (``experiments.cli.command``)."""
     from experiments.configs import load_config
 
     default = str(Path(__file__).parent / "configs" / "default.py")

@@ -1,18 +1,30 @@
 """Experiment configs: ml_collections files with a ``get_config()``, plus ``key=value``
 overrides from the command line (``train.steps=300``, ``data.paths=('a.txt',)``,
 ``precision.policy=nemotron3``). Values are parsed as Python literals when they parse, else
-kept as strings; an override of a key the config does not have is an error."""
+kept as strings; an override of a key the config does not have is an error.
+
+Every key's default is set once, in ``default.py`` (the other configs start from it); code
+indexes keys directly. A run stored before a key existed is read with the value it had
+(:func:`with_defaults`): the default, or :data:`BEFORE_THE_KEY`'s where that differs.
+
+(``ml_collections.config_flags`` would replace the ``key=value`` parser only by changing
+every command line: its overrides are ``--config.train.steps=3`` flags, a bare
+``train.steps=3`` is ignored, a key whose default is None (``data.tokens``,
+``train.muon.mu_dtype``) cannot be overridden, its errors differ from the ones the commands
+promise, and sweeps and notebooks apply overrides from Python, which it does not.)"""
 
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 from pathlib import Path
 
 import ml_collections
 
 __all__ = ["load_config", "apply_overrides", "sweep_section", "config_changes",
-           "format_changes", "describe_keys", "CONFIG_DIR"]
+           "format_changes", "describe_keys", "keys_help", "with_defaults", "BEFORE_THE_KEY",
+           "CONFIG_DIR"]
 
 CONFIG_DIR = Path(__file__).parent
 
@@ -95,20 +107,40 @@ NOT_PART_OF_THE_RUN = ("compile_cache", "sweep")
 POLICY_HASH, POLICY_RULES = "precision.policy_sha256", "precision.policy_rules"
 
 
-def _added_later() -> dict:
-    """Keys added to the configs after runs were stored, with the value such a run had
-    (what it computed is what the key's default computes now): a stored config without the
-    key is no change when the new value is that one."""
-    from experiments.optimizers import MUON_DEFAULTS
+# The value a run stored before a key existed had, where it is not the key's default in
+# default.py. Every other key such a run lacks had its default (the code before the key did
+# what the default does now); when a default changes, the key's old value goes here.
+BEFORE_THE_KEY = {
+    # before data.suffixes (Dec 2026, 785eb73) a data folder gave only its *.py files (and
+    # did not yet leave out hidden files and files with a NUL byte)
+    "data.suffixes": (".py",),
+}
 
-    return {"train.optimizer": "adamw", "train.grad_reduce": "xla",
-            "train.grad_reduce_rules": [], "train.grad_survival": False,
-            "model.mtp_tied_head": False, **{f"train.muon.{k}": v
-                                           for k, v in MUON_DEFAULTS.items()},
-            "model.attention": "einsum", "model.attention_accumulate": "fp32",
-            "model.attention_saved": "float32", "model.ssm_state_format": "",
-            "model.ssm_state_rounding": "nearest", "model.residual_format": "",
-            "model.residual_gate": False, "model.mlp_saved": ""}
+
+def with_defaults(stored: dict) -> dict:
+    """A stored run's config (``config.json``, or any config as a dict) completed with every
+    key of ``default.py`` it lacks, at the value such a run had: its default, or
+    :data:`BEFORE_THE_KEY`'s. Keys it has keep their stored values, keys the defaults do not
+    have (``precision.policy_sha256``, ``sweep``) stay; ``stored`` itself is not changed."""
+    from experiments.configs.default import get_config
+
+    then = get_config().to_dict()
+    for key, value in BEFORE_THE_KEY.items():
+        *sections, name = key.split(".")
+        node = then
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    return _fill(copy.deepcopy(stored), then)
+
+
+def _fill(stored: dict, defaults: dict) -> dict:
+    for k, v in defaults.items():
+        if k not in stored:
+            stored[k] = v
+        elif isinstance(v, dict) and isinstance(stored[k], dict):
+            _fill(stored[k], v)
+    return stored
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -124,17 +156,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     """``{dotted key: (old value, new value)}`` for every key whose value differs between two
     configs given as dicts (``ConfigDict.to_dict()`` or a stored ``config.json``); values are
-    compared as JSON stores them (tuples as lists), missing keys as ``None``. The resolved
+    compared as JSON stores them (tuples as lists), missing keys as ``None``. A key ``old``
+    lacks is no change where ``new`` has the value a run stored before the key existed had
+    (:func:`with_defaults`), and ``(None, new value)`` otherwise. The resolved
     policy's rules are compared through their hash, which is left out when the policy's
     name changed too (the name says it)."""
     import json
 
     norm = lambda d: _flat(json.loads(json.dumps(d, sort_keys=True, default=float)))  # noqa
     a, b = norm(old), norm(new)
-    added = norm(_added_later())
-    for k, v in added.items():  # a run stored before the key existed had this value
-        if k not in a and b.get(k) == v:
-            a[k] = v
+    then = norm(with_defaults(old))
+    for k in then.keys() - a.keys():  # a key added since: no change at the value it had
+        if b.get(k) == then[k]:
+            a[k] = then[k]
     changes = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
                if a.get(k) != b.get(k) and not _outside_the_run(k)}
     if "precision.policy" in changes:
@@ -155,3 +189,10 @@ def format_changes(changes: dict[str, tuple]) -> str:
 def describe_keys(config: ml_collections.ConfigDict) -> str:
     """Every overridable key of ``config`` with its default, one per line (for ``--help``)."""
     return "\n".join(f"  {k} = {v!r}" for k, v in _flat(config.to_dict()).items())
+
+
+def keys_help(config: str | Path = "default") -> str:
+    """The ``--help`` epilog of the commands that take ``key=value`` overrides: every key of
+    ``config`` (a config file or name) with its value there."""
+    return ("config keys (override with key=value) and their defaults in "
+            f"configs/default.py:\n{describe_keys(load_config(config))}")

@@ -1,8 +1,10 @@
-"""One training run of the hybrid LM (the base of every sweep); sized for 2 CPU cores."""
+"""One training run of the hybrid LM (the base of every sweep); sized for 2 CPU cores.
+
+The one home of every config key's default: the other configs start from this one, the code
+indexes keys directly (``config.train.steps``), and a stored run's config that lacks a key
+added since is completed from here (``experiments.configs.with_defaults``)."""
 
 import ml_collections
-
-from experiments.optimizers import MUON_DEFAULTS
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -46,9 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
         # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
         grad_reduce="xla", grad_reduce_rules=(),
         grad_survival=False,  # log how much of the MTP gradient survives (mtp_tied_head)
-        # Muon's own settings (ns_coeffs: a preset name or coefficients; mu_dtype: None or
-        # a dtype name)
-        muon=ml_collections.ConfigDict(MUON_DEFAULTS, type_safe=False)))
+        # Muon's own settings (experiments/optimizers.py; ns_coeffs: a preset name or
+        # coefficients; consistent_rms: a number or None; mu_dtype: None or a dtype name)
+        muon=ml_collections.ConfigDict(dict(
+            ns_steps=5, ns_coeffs="standard", beta=0.95, nesterov=True, consistent_rms=0.2,
+            mu_dtype=None, split_qkv_heads=True, adam_lr_ratio=1.0), type_safe=False)))
 
     # backend: "auto" (Pallas kernels on a GPU), "xla" or "pallas" (fp4lab.backend)
     c.precision = ml_collections.ConfigDict(dict(policy="nemotron3", backend="auto"))
