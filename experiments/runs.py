@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from experiments.configs import with_defaults
 from experiments.data import TextData, load_data
 
 __all__ = ["Run", "load_run", "validation_tokens", "analysis_parser"]
@@ -49,7 +50,7 @@ def load_run(workdir) -> Run:
     stored = workdir / "config.json"
     if not stored.exists():
         raise FileNotFoundError(f"{str(workdir)!r} holds no run (no config.json)")
-    config = ml_collections.ConfigDict(json.loads(stored.read_text()))
+    config = ml_collections.ConfigDict(with_defaults(json.loads(stored.read_text())))
     if not (workdir / "ckpt").is_dir():
         raise FileNotFoundError(f"{str(workdir)!r} has no checkpoint to read parameters from")
     resolve_policy(config)

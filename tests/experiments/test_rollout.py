@@ -68,6 +68,19 @@ def test_a_run_reads_back_the_parameters_training_saved(trained, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="has no checkpoint"):
         runs.load_run(tmp_path)
+    # a run stored before data.tokens and data.suffixes existed reads as it trained
+    import json
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    stored = json.loads((old / "config.json").read_text())
+    for key in ("tokens", "suffixes"):
+        stored["data"].pop(key, None)
+    (old / "config.json").write_text(json.dumps(stored))
+    again = runs.load_run(old)
+    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(run.params)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_sampling_keeps_the_prompt_and_returns_the_sampled_log_probs():
