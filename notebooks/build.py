@@ -207,9 +207,10 @@ SWEEP = [
     ("md", """# 3. Reading a precision sweep
 
 Loads a sweep's results (the README's default sweep in `results/sweep` if it has been run with
-`make sweep`, otherwise a tiny two-policy sweep that this notebook runs itself), then shows the
-loss gaps, the layer × GEMM-operand underflow map, and the auto-assignment recommendation."""),
-    ("code", """import json, sys
+`make sweep`, otherwise a tiny three-policy sweep of a few steps that this notebook runs itself
+into a temporary folder), then shows the loss gaps, the layer × GEMM-operand underflow map,
+and the auto-assignment recommendation."""),
+    ("code", """import json, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, str(Path.cwd().parent))  # experiments/ runs from the checkout
 import numpy as np
@@ -222,10 +223,13 @@ from fp4lab.policy import explain
 
 root = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 out = root / "results" / "sweep"
-if not (out / "results.csv").exists():
-    out = root / "results" / "notebook_sweep"
-    run_sweep(load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')"]), out,
-              progress=False)
+if not (out / "results.csv").exists():  # no sweep yet: a tiny one, trained afresh each time
+    out = Path(tempfile.mkdtemp(prefix="fp4lab-notebook-sweep-"))
+    # 6 steps with probes at steps 0, 3 and 5, no checkpoints: seconds per policy
+    run_sweep(load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')",
+                                         "train.steps=6", "train.warmup=1", "train.log_every=3",
+                                         "train.ckpt_every=0", "probes.every=3",
+                                         "data.val_batches=1"]), out, progress=False)
 results = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
 print(f"{len(results)} runs in {out}")"""),
     ("md", "## Loss gaps to BF16 and throughput"),
