@@ -1,0 +1,94 @@
+"""Golden numbers: the tiny config's first two training steps under a few recipes, pinned bit
+for bit. Any change to the numerics (a rounding, a scale, the SR stream, the optimizer, the
+model, the data order) moves them, and this test says so in seconds instead of a sweep later.
+
+A change that moves them must be explained in its commit (why the numbers changed, and that
+the change is meant), then the numbers below regenerated with
+
+    .venv/bin/python tests/experiments/test_golden.py
+
+which prints the ``GOLDEN`` dict to paste here. They are XLA:CPU's numbers (the suite's
+platform); another backend or CPU may round differently."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+# policy -> [(loss, grad_norm) of step 0, of step 1]: float32 values, written exactly
+# (generated at 77134df)
+GOLDEN = {
+    'bf16': [(5.968050956726074, 2.0545425415039062),
+             (5.982428550720215, 3.0850605964660645)],
+    'nvfp4': [(5.948171615600586, 2.03472638130188),
+              (5.98468017578125, 3.0487821102142334)],
+    'mxfp8': [(5.959521293640137, 2.078355550765991),
+              (5.969692230224609, 3.065049409866333)],
+    'fp8_hybrid': [(5.979988098144531, 2.066983938217163),
+                   (5.994405269622803, 3.145284414291382)],
+    'fp8_delayed': [(5.95766019821167, 2.0688464641571045),
+                    (5.98947286605835, 3.1295669078826904)],
+}
+
+POLICIES = ("bf16", "nvfp4", "mxfp8", "fp8_hybrid", "fp8_delayed")
+
+
+def first_steps(policy: str, text, steps: int = 2,
+                cache: str = "") -> list[tuple[float, float]]:
+    """(loss, grad norm) of the tiny config's first ``steps`` steps under ``policy``, on the
+    corpus's first batches, as experiments.train steps them (AdamW, the SR key of seed 0,
+    delayed scaling's amax history carried from step to step)."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.configs import load_config
+    from experiments.model import HybridLM
+    from experiments.optimizers import make_optimizer
+    from experiments.step import TrainState, make_step, model_config
+    from fp4lab.flax import quantize_model
+
+    c = load_config("tiny")
+    d = c.data
+    if cache:  # the suite's persistent compilation cache (tests/experiments/conftest.py)
+        jax.config.update("jax_compilation_cache_dir", cache)
+    model = HybridLM(model_config(c, text))
+    sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
+    params = model.init(jax.random.key(c.seed), sample)["params"]
+    qmodel = quantize_model(model, policy)
+    tx, sched = make_optimizer(c.train, num_heads=c.model.num_heads)
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                       bad_step=jnp.int32(-1),
+                       amax_history=qmodel.history_init({"params": params}, sample) or None)
+    step = make_step(qmodel, tx, sched, c.seed, c.train.mtp_weight, False)
+    out = []
+    for s in range(steps):
+        b = text.batch(c.seed, s, d.batch_size, d.seq_len)
+        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+        out.append((float(m["loss"]), float(m["grad_norm"])))
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_first_steps_are_the_golden_numbers(policy, text, tiny):
+    got = first_steps(policy, text, cache=tiny.compile_cache)
+    assert got == [tuple(p) for p in GOLDEN[policy]], (
+        f"{policy}: the numerics changed to {got}; explain why, then regenerate (module "
+        "docstring)")
+
+
+def test_golden_numbers_tell_the_recipes_apart():
+    """Distinct numbers per recipe, so that equal numbers above mean something: delayed
+    scaling (scales from the amax history) differs from current scaling of the same
+    formats, and every recipe from BF16."""
+    firsts = {p: tuple(map(tuple, v)) for p, v in GOLDEN.items()}
+    assert len(set(firsts.values())) == len(POLICIES), firsts
+
+
+if __name__ == "__main__":
+    from experiments.data import load_text
+
+    corpus = load_text([Path(json.__file__).parent], val_fraction=0.3)  # conftest's `text`
+    print("GOLDEN = {")
+    for name in POLICIES:
+        print(f"    {name!r}: {first_steps(name, corpus)!r},")
+    print("}")
