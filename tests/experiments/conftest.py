@@ -53,3 +53,25 @@ def train_tiny(tmp_path_factory, corpus_dir):
         return c, folder
 
     return run
+
+
+@pytest.fixture(scope="session")
+def token_dirs(tmp_path_factory, corpus_dir):
+    """The json package tokenized (BPE of 300: ids above the byte vocabulary) in llm.c
+    format, and the same tokens as nanoGPT files (raw uint16, with the tokenizer beside
+    them)."""
+    import shutil
+
+    import numpy as np
+
+    from experiments.tokenize import tokenize
+
+    root = tmp_path_factory.mktemp("tokens")
+    tokenize([corpus_dir], out=root / "llmc", vocab_size=300, val_fraction=0.3,
+             log=lambda s: None)
+    (root / "nanogpt").mkdir()
+    for part in ("train", "val"):
+        ids = np.fromfile(root / "llmc" / f"{part}.bin", "<u2", offset=1024)
+        ids.astype("<u2").tofile(root / "nanogpt" / f"{part}.bin")
+    shutil.copy(root / "llmc" / "tokenizer.json", root / "nanogpt")
+    return root

@@ -1,5 +1,6 @@
 """experiments.optimizers: which parameters Muon takes, the per-head qkv split against a NumPy
-Newton-Schulz oracle, the inner AdamW, the momentum dtype, a Muon run's resume, bad settings."""
+Newton-Schulz oracle, the inner AdamW, the momentum dtype, bad settings
+(a Muon run learns and resumes: test_train.py's end-to-end resume)."""
 
 import dataclasses
 
@@ -13,7 +14,6 @@ from optax.contrib import MuonDimensionNumbers
 from experiments.model import HybridLM
 from experiments.optimizers import make_optimizer, muon_partition
 from experiments.step import model_config
-from experiments.train import read_jsonl, train
 
 COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, optax's "standard"
 
@@ -134,21 +134,3 @@ def test_bad_optimizer_settings_are_named(tiny):
         bad.muon[key] = value
         with pytest.raises(ValueError, match=error):
             make_optimizer(bad)
-
-
-@pytest.mark.slow
-def test_a_muon_run_learns_and_resumes_bit_exactly(tiny, text, tmp_path):
-    tiny.train.optimizer, tiny.precision.policy = "muon", "nvfp4"
-    full = train(tiny, tmp_path / "full", data=text, progress=False)
-    losses = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
-    assert full["status"] == "ok" and losses[-1] < losses[0] - 0.5
-    # the step-6 checkpoint, as an interrupted run leaves it: resuming gives the same run
-    resumed = tmp_path / "resumed"
-    import shutil
-
-    shutil.copytree(tmp_path / "full", resumed)
-    shutil.rmtree(resumed / "ckpt" / "12")
-    (resumed / "result.json").unlink()
-    again = train(tiny, resumed, data=text, progress=False)
-    assert again["val_loss"] == full["val_loss"]
-    assert [r["loss"] for r in read_jsonl(resumed / "metrics.jsonl") if "loss" in r] == losses

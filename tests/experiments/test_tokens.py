@@ -2,7 +2,6 @@
 
 import json
 import pickle
-import shutil
 
 import numpy as np
 import pytest
@@ -259,71 +258,8 @@ def test_tokenize_writes_llmc_files_a_tokenizer_and_caches_them(tmp_path):
 
 
 # ----------------------------------------------------------------------------- training
-
-
-@pytest.fixture(scope="module")
-def token_dirs(tmp_path_factory, corpus_dir):
-    """The json package tokenized (BPE of 300: ids above the byte vocabulary) in llm.c
-    format, and the same tokens as nanoGPT files (with the tokenizer beside them)."""
-    from experiments.tokenize import tokenize
-
-    root = tmp_path_factory.mktemp("tokens")
-    tokenize([corpus_dir], out=root / "llmc", vocab_size=300, val_fraction=0.3,
-             log=lambda s: None)
-    (root / "nanogpt").mkdir()
-    for part in ("train", "val"):
-        ids = np.fromfile(root / "llmc" / f"{part}.bin", "<u2", offset=1024)
-        write_nanogpt(root / "nanogpt" / f"{part}.bin", ids)
-    shutil.copy(root / "llmc" / "tokenizer.json", root / "nanogpt")
-    return root
-
-
-@pytest.mark.slow
-def test_training_on_token_files_resumes_bit_exactly_in_both_formats(tiny, token_dirs, tmp_path,
-                                                                     monkeypatch):
-    """A run on the llm.c files, and one on the nanoGPT files (the same tokens) that dies
-    after its step-6 checkpoint and resumes: the same losses, bit for bit."""
-    from experiments.train import read_jsonl, train
-
-    def losses(workdir):
-        return [(r["step"], r["loss"]) for r in read_jsonl(workdir / "metrics.jsonl")
-                if "loss" in r]
-
-    tiny.precision.policy = "nvfp4"  # stochastic rounding in the backward pass
-    tiny.probes.every = 0  # (test_train.py resumes probes; here: the data)
-    tiny.data.tokens = str(token_dirs / "llmc" / "train.bin")
-    assert load_data(tiny.data).train.max() >= 256  # ids above the byte vocabulary
-    full = train(tiny, tmp_path / "llmc", progress=False)
-    assert full["status"] == "ok" and np.isfinite(full["val_loss"])
-    assert losses(tmp_path / "llmc")[-1][1] < losses(tmp_path / "llmc")[0][1] - 0.5
-
-    class Interrupted(Exception):
-        pass
-
-    real_batch = TokenData.batch
-
-    def batch(self, seed, step, batch_size, seq_len):
-        if step == 9:
-            raise Interrupted
-        return real_batch(self, seed, step, batch_size, seq_len)
-
-    tiny.data.tokens = str(token_dirs / "nanogpt" / "train.bin")
-    monkeypatch.setattr(TokenData, "batch", batch)
-    with pytest.raises(Interrupted):  # dies after the step-6 checkpoint
-        train(tiny, tmp_path / "nanogpt", progress=False)
-    monkeypatch.undo()
-    assert max(s for s, _ in losses(tmp_path / "nanogpt")) >= 6
-    resumed = train(tiny, tmp_path / "nanogpt", progress=False)
-    assert losses(tmp_path / "nanogpt") == losses(tmp_path / "llmc")
-    assert resumed["val_loss"] == full["val_loss"]
-    # what the runs read: the files, their tokens and the vocabulary (also the model's)
-    vocab = json.loads((token_dirs / "llmc" / "tokenizer.json").read_text())["model"]["vocab"]
-    for name, r in (("llmc", full), ("nanogpt", resumed)):
-        assert r["data"]["token_format"] == name and r["data"]["vocab_size"] == len(vocab)
-        assert r["data"]["paths"]["train"] == str(token_dirs / name / "train.bin")
-        assert json.loads((tmp_path / name / "result.json").read_text())["data"] == r["data"]
-        stored = json.loads((tmp_path / name / "config.json").read_text())
-        assert stored["model"]["vocab"] == len(vocab) > 256
+# A run on token files, interrupted and resumed on the same tokens in the other format, is
+# test_train.py's end-to-end resume (conftest.py's ``token_dirs``).
 
 
 def test_a_run_records_what_it_read_and_its_models_vocabulary(tiny, tmp_path, text,

@@ -1,4 +1,5 @@
-"""experiments.train: learning, bit-exact resume, NaN stop, late precision switch, bad configs."""
+"""experiments.train: learning, bit-exact resume, checkpoints, NaN stop, late precision switch,
+bad configs."""
 
 import dataclasses
 import json
@@ -16,34 +17,110 @@ def losses(workdir):
 
 
 @pytest.mark.slow
-def test_resume_after_an_interruption_is_bit_exact(tiny, text, tmp_path):
-    tiny.precision.policy = "nvfp4"  # stochastic rounding in the backward pass
-    full = train(tiny, tmp_path / "full", data=text, progress=False)
-    assert full["status"] == "ok" and full["final_train_loss"] < 5.5
+def test_an_interrupted_run_resumes_bit_exactly(tiny, token_dirs, tmp_path, monkeypatch):
+    """The suite's one in-process end-to-end resume, of the most state a run carries at once:
+    Muon's, NVFP4's stochastic rounding (the backward pass), FP8 delayed scaling's amax
+    histories (the MLP) and the probes' history, on token files. A run on the llm.c files,
+    and one on the nanoGPT files (the same tokens) that dies after its step-6 checkpoint
+    and resumes: the same losses, probes and validation loss, bit for bit. The state each
+    feature adds round-trips through a checkpoint bit for bit on its own below
+    (test_a_checkpoint_restores_the_state_bit_for_bit); test_distributed.py resumes two
+    processes."""
+    from experiments.data import TokenData, load_data
+    from fp4lab.policy import PrecisionPolicy, Rule, save_policy
+
+    policy = tmp_path / "policy.json"
+    save_policy(PrecisionPolicy(rules=(Rule(recipe="fp8_delayed", pattern=r".*mlp.*",
+                                            name="MLP in delayed FP8"),), default="nvfp4"),
+                policy)
+    tiny.precision.policy = f"file:{policy}"
+    tiny.train.optimizer, tiny.train.lr = "muon", 1e-2  # (at 3e-3 it learns 0.46 nats here)
+    tiny.data.tokens = str(token_dirs / "llmc" / "train.bin")
+    assert load_data(tiny.data).train.max() >= 256  # ids above the byte vocabulary
+    full = train(tiny, tmp_path / "llmc", progress=False)
+    assert full["status"] == "ok" and np.isfinite(full["val_loss"])
+    assert set(full["layers"].values()) >= {"nvfp4", "fp8_delayed"}
+    assert losses(tmp_path / "llmc")[-1][1] < losses(tmp_path / "llmc")[0][1] - 0.5  # learns
+    assert full["probe_summary"]
 
     class Interrupted(Exception):
         pass
 
-    @dataclasses.dataclass
-    class Stops(type(text)):
-        stop_at: int = 10**9
+    real_batch = TokenData.batch
 
-        def batch(self, seed, step, batch_size, seq_len):
-            if step == self.stop_at:
-                raise Interrupted
-            return super().batch(seed, step, batch_size, seq_len)
+    def batch(self, seed, step, batch_size, seq_len):
+        if step == 9:
+            raise Interrupted
+        return real_batch(self, seed, step, batch_size, seq_len)
 
-    data = Stops(text.train, text.val, text.files, text.source, stop_at=9)
+    tiny.data.tokens = str(token_dirs / "nanogpt" / "train.bin")
+    monkeypatch.setattr(TokenData, "batch", batch)
     with pytest.raises(Interrupted):  # dies after the step-6 checkpoint
-        train(tiny, tmp_path / "resumed", data=data, progress=False)
-    assert max(s for s, _ in losses(tmp_path / "resumed")) >= 6
-    data.stop_at = 10**9
-    resumed = train(tiny, tmp_path / "resumed", data=data, progress=False)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
+        train(tiny, tmp_path / "nanogpt", progress=False)
+    monkeypatch.undo()
+    assert max(s for s, _ in losses(tmp_path / "nanogpt")) >= 6
+    resumed = train(tiny, tmp_path / "nanogpt", progress=False)
+    assert losses(tmp_path / "nanogpt") == losses(tmp_path / "llmc")
     assert resumed["val_loss"] == full["val_loss"]
     assert resumed["probe_summary"] == full["probe_summary"]
-    assert (tmp_path / "full" / "tb").is_dir()
-    assert json.loads((tmp_path / "full" / "result.json").read_text())["status"] == "ok"
+    assert (tmp_path / "nanogpt" / "tb").is_dir()
+    # what the runs read: the files, their tokens and the vocabulary (also the model's)
+    vocab = json.loads((token_dirs / "llmc" / "tokenizer.json").read_text())["model"]["vocab"]
+    for name, r in (("llmc", full), ("nanogpt", resumed)):
+        assert r["data"]["token_format"] == name and r["data"]["vocab_size"] == len(vocab)
+        assert r["data"]["paths"]["train"] == str(token_dirs / name / "train.bin")
+        written = json.loads((tmp_path / name / "result.json").read_text())
+        assert written["status"] == "ok" and written["data"] == r["data"]
+        stored = json.loads((tmp_path / name / "config.json").read_text())
+        assert stored["model"]["vocab"] == len(vocab) > 256
+
+
+def _random_like(tree, seed=0):
+    """A tree of the same structure, shapes and dtypes with random values in every leaf, so
+    that a restore that drops, swaps or rounds any leaf shows."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, x in zip(keys, leaves, strict=True):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            y = jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
+        else:
+            y = jax.random.randint(key, x.shape, 0, 1000).astype(x.dtype)
+        out.append(jax.device_put(y, x.sharding))
+    return jax.tree.unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("optimizer, policy", [("adamw", "nvfp4"), ("muon", "fp8_delayed")])
+def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optimizer, policy):
+    """What a resume reads back is what was saved: the whole TrainState (step, parameters,
+    AdamW's or Muon's state, FP8 delayed scaling's amax histories) through train's own
+    checkpoints, every leaf with its dtype and bits. (NVFP4's SR stream is no state: a
+    step's key is the seed's folded with the step.)"""
+    import jax
+    from optax.contrib import MuonState
+
+    from experiments.train import _build, _Checkpoints
+
+    tiny.train.optimizer, tiny.precision.policy = optimizer, policy
+    like = _build(tiny, text).state
+    if policy == "fp8_delayed":
+        assert jax.tree.leaves(like.amax_history)  # the histories are part of the state
+    else:
+        assert like.amax_history is None
+    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+    assert any(is_muon(x) for x in jax.tree.leaves(like.opt_state, is_leaf=is_muon)) == \
+        (optimizer == "muon")
+    state = _random_like(like)
+    _Checkpoints(tmp_path.resolve()).save(7, state, wait=True)
+    back = _Checkpoints(tmp_path.resolve()).restore(like)
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
 
 
 @pytest.mark.slow
@@ -203,34 +280,6 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tiny, corpus_d
     assert sorted(p.name for p in ckpt.iterdir()) == ["4"]  # saved, nothing half-written
     assert main(args) == 0  # resumes and finishes
     assert [s for s, _ in losses(tmp_path / "run")] == list(range(12))
-
-
-@pytest.mark.slow
-def test_fp8_delayed_scaling_carries_its_history_through_checkpoints(tiny, text, tmp_path):
-    tiny.precision.policy = "fp8_delayed"  # TE's classic FP8: scales from an amax history
-    full = train(tiny, tmp_path / "full", data=text, progress=False)
-    assert full["status"] == "ok" and np.isfinite(full["val_loss"])
-
-    @dataclasses.dataclass
-    class Stops(type(text)):
-        stop_at: int = 10**9
-
-        def batch(self, seed, step, batch_size, seq_len):
-            if step == self.stop_at:
-                raise KeyError("stop")
-            return super().batch(seed, step, batch_size, seq_len)
-
-    data = Stops(text.train, text.val, text.files, text.source, stop_at=8)
-    with pytest.raises(KeyError):
-        train(tiny, tmp_path / "resumed", data=data, progress=False)
-    data.stop_at = 10**9
-    resumed = train(tiny, tmp_path / "resumed", data=data, progress=False)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")  # the history resumed too
-    assert resumed["val_loss"] == full["val_loss"]
-    current = tiny.copy_and_resolve_references()
-    current.precision.policy = "fp8_hybrid"  # the same formats with current scaling differ
-    assert train(current, tmp_path / "current", data=text, progress=False)["val_loss"] != \
-        full["val_loss"]
 
 
 def test_nonsensical_sizes_are_refused_before_anything_loads(tiny, tmp_path, monkeypatch):
