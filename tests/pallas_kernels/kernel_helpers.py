@@ -2,7 +2,9 @@
 lowering for an abstract GPU (no GPU needed)."""
 
 import dataclasses
+import functools
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +78,32 @@ def lower_for_h200(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+class Lowered(NamedTuple):
+    hlo: str  # lower_for_h200's StableHLO text
+    modules: list  # triton_modules' (name, TTIR text, num_warps, num_stages)
+    stochastic: bool
+
+
+@functools.cache
+def lowered(name: str, shape: tuple[int, int] = (256, 512)) -> Lowered:
+    """Kernel case ``name`` of :func:`kernel_cases` on an input of ``shape``, lowered for an
+    abstract H200 once per test process: the lowering checks (test_quantize_kernels) and the
+    sm_90 compile check (test_triton_compile) read the same lowering."""
+    f, args, stochastic = kernel_cases(shape)[name]
+    hlo, modules = _lower_capturing_triton(f, *args)
+    return Lowered(hlo, modules, stochastic)
+
+
 def triton_modules(f, *args):
     """The Triton (TTIR) modules of ``f``'s kernels as JAX lowers them for an H200: a list of
     ``(name, TTIR text, num_warps, num_stages)`` in launch order. JAX embeds each module as
     MLIR bytecode in the custom call; this hooks the (private) lowering function to get its
     text, which upstream Triton can parse."""
+    return _lower_capturing_triton(f, *args)[1]
+
+
+def _lower_capturing_triton(f, *args) -> tuple[str, list]:
+    """``(lower_for_h200's text, triton_modules' list)`` from one lowering."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -99,4 +122,4 @@ def triton_modules(f, *args):
     launch = re.findall(r"num_stages = (\d+) : i32, num_warps = (\d+) : i32", hlo)
     names = re.findall(r"^module @(\w+)", "\n".join(texts), re.M)
     assert len(launch) == len(texts) == len(names), (len(launch), len(texts), len(names))
-    return [(n, t, int(w), int(s)) for n, t, (s, w) in zip(names, texts, launch)]
+    return hlo, [(n, t, int(w), int(s)) for n, t, (s, w) in zip(names, texts, launch)]

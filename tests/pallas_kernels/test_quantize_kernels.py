@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import FORMATS, assert_same_qarray, kernel_cases, lower_for_h200, same_bits
+from kernel_helpers import FORMATS, assert_same_qarray, kernel_cases, lowered, same_bits
 
 import fp4lab
 from pallas_kernels.quantize import (
@@ -102,8 +102,7 @@ def test_unsupported_inputs_say_why():
 def test_every_kernel_lowers_for_an_abstract_h200(name):
     # Triton arrays have power-of-two shapes: tiles must be too, whatever the input's shape
     for shape in [(256, 512), (5, 40), (64, 96), (100, 33), (1, 16)]:
-        f, args, _ = kernel_cases(shape)[name]
-        text = lower_for_h200(f, *args)
+        text = lowered(name, shape).hlo  # (shared with test_triton_compile)
         assert text.count("xla.gpu.triton") == (2 if name.startswith("rht") else 1)
         # no approximate division anywhere (Triton's float32 `/` is approximate on NVIDIA
         # GPUs); NVFP4's divisions are the PTX div.rn.f32 instruction

@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 import pytest
-from kernel_helpers import kernel_cases, triton_modules
+from kernel_helpers import kernel_cases, lowered, triton_modules
 
 if not sys.platform.startswith("linux"):  # the test extra installs Triton on Linux only
     pytest.skip("pip Triton (the sm_90 compiler) has Linux wheels only", allow_module_level=True)
@@ -100,8 +100,8 @@ def test_kernel_compiles_for_h200_without_spills_or_approximate_division(name, t
     # 256 x 512, and 65536 x 65536 (8 GiB of BF16: Pallas switches to 64-bit offsets)
     modules = []
     for shape in [(256, 512), (65536, 65536)]:
-        f, args, stochastic = kernel_cases(shape)[name]
-        modules += triton_modules(f, *args)
+        modules += lowered(name, shape).modules  # (shared with test_quantize_kernels)
+    stochastic = lowered(name).stochastic
     assert any("xi64>" in ttir for _, ttir, _, _ in modules[len(modules) // 2:])  # offsets
     for module, ttir, num_warps, num_stages in modules:
         assert not negations(ttir), (module, "a float negation loses -0")
