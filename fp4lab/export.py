@@ -639,7 +639,7 @@ def _save_mxfp4(tensors, path: Path, names, metadata):
     config = {"quantization_config": {"quant_method": "mxfp4",
                                       "modules_to_not_convert": sorted(skipped)},
               "fp4lab": {"layout": "mxfp4", **(metadata or {})}}
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_config(path, config)
 
 
 def _nvfp4_parts(p, q: QArray):
@@ -695,7 +695,7 @@ def _save_nvfp4(tensors, path: Path, names, metadata, modelopt: bool, input_amax
               "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                                "exclude_modules": sorted(ignore)}}
         (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        (path / "config.json").write_text(json.dumps(extra, indent=2) + "\n")
+        _write_config(path, extra)
         return
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                "symmetric": True, "dynamic": False}
@@ -706,7 +706,32 @@ def _save_nvfp4(tensors, path: Path, names, metadata, modelopt: bool, input_amax
                                       "input_activations": None, "output_activations": None,
                                       "format": "nvfp4-pack-quantized"}},
         "ignore": sorted(ignore)}, **extra}
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_config(path, config)
+
+
+def _write_config(folder: Path, added: dict) -> None:
+    """``folder/config.json`` with ``added``'s keys (``quantization_config``, ``fp4lab``)
+    set: a model's config already there (``architectures``, ``model_type``, ...) keeps its
+    other keys, so an engine can still instantiate the model; written atomically."""
+    with _atomic(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps({**_model_config(folder), **added}, indent=2) + "\n")
+
+
+def _model_config(folder: Path) -> dict:
+    """The ``config.json`` already in ``folder`` (``{}`` if none); one that is not a JSON
+    object is an error (checked before anything is written)."""
+    path = folder / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is there but is not JSON ({e}); a model's "
+                         "config.json is kept and extended: fix or remove it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(config).__name__}, not a model "
+                         "config object")
+    return config
 
 
 def _guess_index(tensors: dict[str, np.ndarray]) -> dict:
@@ -818,6 +843,8 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
             raise ValueError(f"tensor name {n!r} for both {seen[n]!r} and {p!r}")
         seen[n] = p
     path = _out_path(path, layout)
+    if layout != "gguf":
+        _model_config(path)  # a config.json the export must extend but cannot: refused now
     if layout == "gguf":
         path.parent.mkdir(parents=True, exist_ok=True)
         _save_gguf(tensors, path, names, metadata, arch)

@@ -520,3 +520,27 @@ def test_gguf_keys_of_the_architecture_are_typed(tmp_path):
         export.save(weights, tmp_path / "n.gguf", "gguf", arch="llama",
                     metadata={"llama.bad": [1, "x"]})
     assert not (tmp_path / "n.gguf").exists()
+
+
+@pytest.mark.parametrize("layout", ["nvfp4", "nvfp4_modelopt", "mxfp4"])
+def test_a_models_config_json_is_extended_not_overwritten(tmp_path, layout):
+    """A user's report: both NVFP4 layouts wrote a config.json holding only fp4lab's keys
+    over the model's own (no architectures, no model_type: no engine can build the model).
+    The model's keys stay; one that is not JSON is refused before anything is written."""
+    recipe = "mxfp4_weights" if layout == "mxfp4" else "nvfp4_no_sr"
+    weights = export.quantized_weights({"mlp": {"kernel": jnp.ones((64, 32))}}, recipe)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    model = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+             "hidden_size": 64}
+    (folder / "config.json").write_text(json.dumps(model))
+    export.save(weights, folder, layout)
+    config = json.loads((folder / "config.json").read_text())
+    assert {k: config[k] for k in model} == model
+    assert config["fp4lab"]["layout"] == layout
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is there but is not JSON"):
+        export.save(weights, bad, layout)
+    assert sorted(p.name for p in bad.iterdir()) == ["config.json"]
