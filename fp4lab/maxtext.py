@@ -84,7 +84,7 @@ def probe_scalars(model, metrics: tuple[str, ...]) -> dict:
     measure). Traced values, inside the train step."""
     import numpy as np
 
-    from fp4lab.flax.nnx import probe_rows
+    from fp4lab.flax.nnx import block_name, probe_rows
     from fp4lab.metrics import METRIC_NAMES
     from fp4lab.recipe import OPERANDS
 
@@ -93,7 +93,7 @@ def probe_scalars(model, metrics: tuple[str, ...]) -> dict:
         if recipe.is_identity:
             continue
         for index in np.ndindex(rows.shape[:-2]):
-            where = f"{name}[{','.join(map(str, index))}]" if index else name
+            where = block_name(name, index)
             for op in recipe.quantized_operands:
                 for metric in metrics:
                     out[f"fp4lab/{where}/{op}/{metric}"] = rows[index][

@@ -27,9 +27,9 @@ from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
            "QLinearGeneral", "QEinsum", "HOOKS", "LAYER_TYPES", "LAYER_CALLS", "AmaxHistory",
-           "update_amax_history", "QuantProbe", "probe_records", "probe_rows", "find_op_calls",
-           "intercept_ops", "release_ops", "register_layer", "layer_stack", "stacked",
-           "OPS_ATTR"]
+           "update_amax_history", "QuantProbe", "probe_records", "probe_rows", "block_name",
+           "find_op_calls", "intercept_ops", "release_ops", "register_layer", "layer_stack",
+           "stacked", "OPS_ATTR"]
 
 
 class AmaxHistory(nnx.Variable):
@@ -81,6 +81,12 @@ def probe_rows(model: nnx.Module, grads=None) -> dict[str, tuple[Recipe, jax.Arr
     return out
 
 
+def block_name(path: str, index: tuple[int, ...]) -> str:
+    """The name of one block of a GEMM stacked for a scan: ``path[i]`` (``path[i,j]``), or
+    ``path`` for a GEMM that is not stacked (``index == ()``)."""
+    return f"{path}[{','.join(map(str, index))}]" if index else path
+
+
 def probe_records(model: nnx.Module, grads=None) -> dict[str, dict[str, dict[str, float]]]:
     """``{GEMM path: {operand: {metric: value}}}`` (host values) from the probes of
     :func:`probe_rows`; each block stacked for a scan is its own entry, ``path[i]``. Operands
@@ -96,7 +102,7 @@ def probe_records(model: nnx.Module, grads=None) -> dict[str, dict[str, dict[str
             for op in table:
                 if op not in recipe.quantized_operands or not rows[index].any():
                     table[op] = dict.fromkeys(table[op], float("nan"))
-            out[f"{name}[{','.join(map(str, index))}]" if index else name] = table
+            out[block_name(name, index)] = table
     return out
 
 
