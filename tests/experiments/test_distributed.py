@@ -1,9 +1,8 @@
 """experiments.train --distributed, for real: two CPU processes on this machine (a local
 coordinator, gloo collectives, two simulated devices each) train the tiny config, stop on a
 Ctrl-C that reached only one of them, resume, and end bit-identical to one process with the
-same four devices and the same (gloo) collectives; one process with XLA's in-process
-collectives sums the gradients in another order and agrees to rounding (docs/experiments.md,
-"Multi-process runs")."""
+same four devices and the same (gloo) collectives (docs/experiments.md, "Multi-process
+runs", says how a plain run with XLA's in-process collectives differs)."""
 
 import json
 import os
@@ -102,7 +101,7 @@ def processes(tmp_path):
 
 def train_args(workdir: Path, corpus_dir, cache: str) -> list[str]:
     return ["--config", "tiny", "--workdir", str(workdir), f"data.paths=('{corpus_dir}',)",
-            f"compile_cache={cache}", "probes.every=0", "train.ckpt_every=0"]
+            f"compile_cache={cache}", "probes.every=0", "train.ckpt_every=0", "train.steps=8"]
 
 
 def distributed(num_processes: int, process_id: int, port: int) -> list[str]:
@@ -133,13 +132,10 @@ def checkpoint_leaves(path: Path) -> list[np.ndarray]:
 def test_two_processes_train_stop_and_resume_exactly_as_one(tmp_path, corpus_dir, tiny,
                                                            processes):
     train = ["-m", "experiments.train"]
-    ref, plain, two = tmp_path / "ref", tmp_path / "plain", tmp_path / "two"
-    # one process with all four devices: through gloo (a one-process "cluster"), and with
-    # XLA's in-process collectives (what a plain run uses)
+    ref, two = tmp_path / "ref", tmp_path / "two"
+    # one process with all four devices, through gloo (a one-process "cluster")
     processes.start("ref", [*train, *train_args(ref, corpus_dir, tiny.compile_cache),
                             *distributed(1, 0, free_port())], devices=4)
-    processes.start("plain", [*train, *train_args(plain, corpus_dir, tiny.compile_cache)],
-                    devices=4)
     port = free_port()
     first = [processes.start(f"first{i}", ["-c", INTERRUPTED,
                                            *train_args(two, corpus_dir, tiny.compile_cache),
@@ -147,22 +143,22 @@ def test_two_processes_train_stop_and_resume_exactly_as_one(tmp_path, corpus_dir
              for i in range(2)]
     assert processes.wait(*first) == [130, 130]  # both stopped, after the same step
     for name in first:
-        assert "interrupted after step 4 of 12" in processes.log(name)
+        assert "interrupted after step 4 of 8" in processes.log(name)
     assert sorted(p.name for p in (two / "ckpt").iterdir()) == ["4"]
     port = free_port()  # the same command again (without the Ctrl-C): resumes
     again = [processes.start(f"again{i}", [*train, *train_args(two, corpus_dir,
                                                                tiny.compile_cache),
                                            *distributed(2, i, port)], devices=2)
              for i in range(2)]
-    assert processes.wait(*again, "ref", "plain") == [0, 0, 0, 0]
+    assert processes.wait(*again, "ref") == [0, 0, 0]
 
     # bit-identical to the one-process run: every metric, the result, the final state
-    assert [r["step"] for r in step_lines(two) if "loss" in r] == list(range(12))
+    assert [r["step"] for r in step_lines(two) if "loss" in r] == list(range(8))
     assert step_lines(two) == step_lines(ref)
     result, ref_result = (json.loads((d / "result.json").read_text()) for d in (two, ref))
     for key in ("val_loss", "final_train_loss", "tokens", "devices"):
         assert result[key] == ref_result[key], key
-    final = [checkpoint_leaves(d / "ckpt" / "12" / "default") for d in (two, ref, plain)]
+    final = [checkpoint_leaves(d / "ckpt" / "8" / "default") for d in (two, ref)]
     assert len(final[0]) == len(final[1]) > 20
     assert all(np.array_equal(a, b) for a, b in zip(final[0], final[1], strict=True))
 
@@ -176,11 +172,3 @@ def test_two_processes_train_stop_and_resume_exactly_as_one(tmp_path, corpus_dir
     assert "--process-id" in info["command"]
     assert ref_result["run_info"]["process_count"] == 1
 
-    # in-process collectives: another summation order of the gradients, equal to rounding
-    plain_lines = step_lines(plain)
-    assert [sorted(r) for r in plain_lines] == [sorted(r) for r in step_lines(ref)]
-    for a, b in zip(plain_lines, step_lines(ref), strict=True):
-        for k in a.keys() - {"step"}:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"step {a['step']} {k}")
-    for a, b in zip(final[2], final[1], strict=True):  # weights and AdamW moments
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
