@@ -15,3 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow end-to-end tests first (stable otherwise): xdist hands tests out in this
+    order, so the long ones start while short ones can still fill the other worker, instead of
+    one long test running alone at the end (longest first: the classic greedy schedule)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
