@@ -207,7 +207,7 @@ SWEEP = [
     ("md", """# 3. Reading a precision sweep
 
 Loads a sweep's results (the README's default sweep in `results/sweep` if it has been run with
-`make sweep`, otherwise a tiny three-policy sweep of a few steps that this notebook runs itself
+`make sweep`, otherwise a tiny two-policy sweep of a few steps that this notebook runs itself
 into a temporary folder), then shows the loss gaps, the layer × GEMM-operand underflow map,
 and the auto-assignment recommendation."""),
     ("code", """import json, sys, tempfile
@@ -221,16 +221,23 @@ from experiments.auto_assign import assign_from_summaries
 from fp4lab.recipe import OPERANDS
 from fp4lab.policy import explain
 
+def read_results(folder):
+    return [json.loads(p.read_text()) for p in sorted((folder / "runs").glob("*/result.json"))]
+
 root = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 out = root / "results" / "sweep"
-if not (out / "results.csv").exists():  # no sweep yet: a tiny one, trained afresh each time
-    out = Path(tempfile.mkdtemp(prefix="fp4lab-notebook-sweep-"))
-    # 6 steps with probes at steps 0, 3 and 5, no checkpoints: seconds per policy
-    run_sweep(load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4','mxfp8')",
-                                         "train.steps=6", "train.warmup=1", "train.log_every=3",
-                                         "train.ckpt_every=0", "probes.every=3",
-                                         "data.val_batches=1"]), out, progress=False)
-results = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+if (out / "results.csv").exists():
+    results = read_results(out)
+else:  # no sweep yet: a tiny one, trained afresh into a folder removed once read
+    with tempfile.TemporaryDirectory(prefix="fp4lab-notebook-sweep-") as tmp:
+        out = Path(tmp)
+        # 6 steps with probes at steps 0, 3 and 5, no checkpoints: seconds per policy
+        run_sweep(load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')",
+                                             "train.steps=6", "train.warmup=1",
+                                             "train.log_every=3", "train.ckpt_every=0",
+                                             "probes.every=3", "data.val_batches=1"]),
+                  out, progress=False)
+        results = read_results(out)
 print(f"{len(results)} runs in {out}")"""),
     ("md", "## Loss gaps to BF16 and throughput"),
     ("code", """header, rows = results_table(results)
