@@ -233,9 +233,9 @@ else:  # no sweep yet: a tiny one, trained afresh into a folder removed once rea
         out = Path(tmp)
         # 6 steps with probes at steps 0, 3 and 5, no checkpoints: seconds per policy
         run_sweep(load_config("sweep_tiny", ["sweep.policies=('bf16','nvfp4')",
-                                             "train.steps=6", "train.warmup=1",
-                                             "train.log_every=3", "train.ckpt_every=0",
-                                             "probes.every=3", "data.val_batches=1"]),
+                                             "train.steps=6", "train.log_every=3",
+                                             "train.ckpt_every=0", "probes.every=3",
+                                             "data.val_batches=1"]),
                   out, progress=False)
         results = read_results(out)
 print(f"{len(results)} runs in {out}")"""),

@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
+# JAX's persistent compilation cache for the tests' runs, shared by test processes and the
+# processes they start: a test that trains the same program again (resume, a rerun sweep, the
+# notebook's sweep) loads it instead of compiling for ~20 s. Programs are keyed by their HLO,
+# so a stale entry is never used for a changed program.
+COMPILE_CACHE = os.environ.get("FP4LAB_TEST_CACHE",
+                               str(ROOT / ".pytest_cache" / "jax-compile"))
 CONSUMERS = ("FP4LAB_CONSUMER_PYTHON", ".venv-consumers", "scripts/consumer-venv")
 MAXTEXT = ("FP4LAB_MAXTEXT_PYTHON", ".venv-maxtext", "scripts/maxtext-venv")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from environments import COMPILE_CACHE
 
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))
@@ -24,8 +25,12 @@ def test_committed_notebook_is_the_built_one_without_outputs(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_top_to_bottom(name):
+def test_notebook_runs_top_to_bottom(name, monkeypatch):
     from nbclient import NotebookClient
+
+    # the kernel compiles through the tests' JAX cache: notebook 03's tiny sweep is the
+    # programs test_sweep's seed sweep compiles (the same sweep_tiny config and steps)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
 
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3",

@@ -110,7 +110,8 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     runs, runs_dir = planned_runs(config), out / "runs"
     data = check_plan(config, runs, runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    if not config.get("compile_cache"):  # the seeds of a policy compile one program
+    if not config.get("compile_cache") and not jax.config.jax_compilation_cache_dir:
+        # the seeds of a policy compile one program (JAX's own cache, where one is set, serves)
         config = config.copy_and_resolve_references()
         config.compile_cache = str(out / "compile_cache")
     if shard is not None:

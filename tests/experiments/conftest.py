@@ -2,10 +2,10 @@
 package) and the tiny config."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from environments import COMPILE_CACHE
 
 from experiments.configs import load_config
 from experiments.data import load_text
@@ -21,17 +21,10 @@ def text(corpus_dir):
     return load_text([corpus_dir], val_fraction=0.3)
 
 
-# JAX's persistent compilation cache: a test that trains the same program again (resume, a
-# rerun sweep) loads it instead of compiling for ~20 s. Programs are keyed by their HLO, so a
-# stale entry is never used for a changed program.
-CACHE = os.environ.get("FP4LAB_TEST_CACHE",
-                       str(Path(__file__).parents[2] / ".pytest_cache" / "jax-compile"))
-
-
 @pytest.fixture
 def tiny():
     c = load_config("tiny")
-    c.compile_cache = CACHE
+    c.compile_cache = COMPILE_CACHE
     return c
 
 
@@ -43,7 +36,7 @@ def train_tiny(tmp_path_factory, corpus_dir):
 
     def run(policy: str, **model_keys):
         c = load_config("tiny")
-        c.compile_cache = CACHE
+        c.compile_cache = COMPILE_CACHE
         c.data.paths = (str(corpus_dir),)
         c.precision.policy, c.train.steps, c.train.ckpt_every = policy, 8, 8
         for key, value in model_keys.items():
