@@ -1,0 +1,366 @@
+"""A hybrid-LM run as transformers' ``NemotronHForCausalLM`` (``models/nemotron_h``, checked
+with transformers 5.24): a folder of ``config.json`` and ``model.safetensors`` that
+``NemotronHForCausalLM.from_pretrained`` loads, with BF16 weights or as a compressed-tensors
+NVFP4 checkpoint (``fp4lab.export``'s ``nvfp4`` layout).
+
+    python -m experiments.hf_nemotron_h --run RUN --out DIR [--weights bf16|nvfp4] \
+        [--policy P]
+
+``--weights bf16``: every parameter cast to BF16. ``--weights nvfp4``: each kernel quantized
+as the run's model computes it under its policy (or ``--policy``; the quantized model's
+record: recipe and compute dtype per GEMM, as ``experiments.export`` does), written by
+``fp4lab.export.save(..., "nvfp4", names=hf_name)`` into the folder whose ``config.json``
+(NemotronH's) was written first, so the export extends it with ``quantization_config``;
+embeddings, norms, the convolution and the SSM parameters stay float32. Every layer of the
+policy must then quantize its weight to NVFP4 (or pass it through), else ``save`` refuses
+and names the tensor. The output folder must not exist or be empty; it is written under a
+temporary name and renamed once complete.
+
+The tensors (``blocks_{i}`` is NemotronH's ``model.layers.{i}``; kernels ``[in, out]``
+become ``[out, in]`` weights):
+
+=====================================  ==================================================
+hybrid LM                              NemotronH
+=====================================  ==================================================
+``embed/embedding`` [V, D]             ``model.embeddings.weight``
+``blocks_{i}/norm/scale``              ``model.layers.{i}.norm.weight``
+``mamba/in_proj``, ``out_proj``        ``mixer.in_proj``, ``mixer.out_proj`` (z, xBC, dt)
+``mamba/conv_kernel`` [W, C]           ``mixer.conv1d.weight`` [C, 1, W] (its transpose)
+``mamba/conv_bias``                    ``mixer.conv1d.bias``
+``mamba/A_log``, ``D``, ``dt_bias``    ``mixer.A_log``, ``mixer.D``, ``mixer.dt_bias``
+``mamba/norm/scale``                   ``mixer.norm.weight`` (the gated RMSNorm)
+``attention/qkv`` [D, 3D]              ``mixer.q_proj``, ``k_proj``, ``v_proj`` (its thirds)
+``attention/out``                      ``mixer.o_proj``
+``mlp/up``, ``mlp/down``               ``mixer.up_proj``, ``mixer.down_proj``
+``final_norm/scale``                   ``model.norm_f.weight``
+``head`` [D, V]                        ``lm_head.weight`` (untied)
+=====================================  ==================================================
+
+The fused ``qkv`` kernel under NVFP4 was quantized with one tensor amax: each third is
+quantized again with that amax (``fp4lab.quantize(..., global_amax=)``), which gives the
+fused kernel's codes and block scales (checked, bit for bit, on every export), and the three
+modules carry the same ``weight_global_scale``.
+
+Where the hybrid LM and transformers' NemotronH differ, and what the config does about it:
+
+* norm eps: every RMSNorm of the hybrid LM uses 1e-6; NemotronH one ``layer_norm_epsilon``
+  (default 1e-5) for the block norms, ``norm_f`` and the gated norm: written as 1e-6.
+* gated RMSNorm: both ``norm(y * silu(z))`` in float32 (gate before the norm); NemotronH
+  normalizes in ``n_groups`` groups, the hybrid LM over the whole inner width with one B and
+  C for all heads: ``n_groups = 1``. NemotronH multiplies the norm weight after casting to
+  the model dtype, the hybrid LM before (the same in a float32 model).
+* time step: NemotronH's mixer clamps ``softplus(dt + dt_bias)`` to ``[time_step_min,
+  inf)`` (default 1e-3; ``time_step_limit`` is not read); the hybrid LM does not clamp:
+  ``time_step_min = 0.0``, a no-op on softplus's output. (``time_step_min`` also draws
+  ``dt_bias`` at initialization, which a loaded checkpoint skips.)
+* residual stream: the hybrid LM keeps it in float32 whatever its compute dtype;
+  NemotronH 5.24 keeps it in the model's dtype (``residual_in_fp32`` is written true, as
+  the model has it, but 5.24 does not read it): equal when served in float32, rounded to
+  BF16 after every block when served in BF16.
+* attention: no RoPE in either; ``num_key_value_heads = num_attention_heads``; scores times
+  ``head_dim ** -0.5`` in NemotronH, divided by ``sqrt(head_dim)`` in the hybrid LM (the
+  same for a power-of-4 head width, else up to an ulp).
+* the scan: NemotronH's chunked SSD (``chunk_size`` 128) or mamba-ssm's kernels, the
+  hybrid LM's associative scan: the same recurrence, summed in another order.
+* the precision policy: the checkpoint holds weights (BF16, or NVFP4 weights), and the
+  engine runs unquantized activations; a QAT policy's activation quantization is not in it.
+* the multi-token-prediction head (``mtp``) is left out: NemotronH's MTP layers
+  (``num_nextn_predict_layers``) are DeepSeek-V3-style blocks that transformers does not
+  load (``mtp.*`` is ignored); the main model is exported alone and the config says so.
+
+A run whose model options change the forward pass in a way NemotronH cannot compute is
+refused, naming the option (:data:`UNSUPPORTED`): ``residual_format`` (the residual stream
+rounded to FP8 between blocks), ``residual_gate`` (gated residual writes),
+``ssm_state_format`` below float32 (the SSM state rounded every step) and flash attention's
+``attention_accumulate`` other than fp32 (BF16 P.V roundings). Backward-only options
+(``attention_saved``, ``mlp_saved``), flash attention in float32 and an fp32-stored state
+do not change the forward pass and are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from experiments import policies
+from experiments.cli import command
+from experiments.model import HybridLM, ModelConfig, RMSNorm
+from fp4lab import QArray, dequantize, quantize
+
+__all__ = ["UNSUPPORTED", "HF_BLOCKS", "check_expressible", "hf_config", "hf_name",
+           "hf_layout", "write_bf16", "write_nvfp4", "export_hf", "main"]
+
+HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}  # 5.24's names
+WEIGHTS = ("bf16", "nvfp4")
+
+# option -> (is the forward NemotronH cannot compute?, why)
+UNSUPPORTED = {
+    "residual_format": (lambda c: bool(c.residual_format),
+                        "the residual stream rounded to FP8 between blocks"),
+    "residual_gate": (lambda c: c.residual_gate, "gated residual writes x + sigmoid(g) * h"),
+    "ssm_state_format": (lambda c: c.ssm_state_format not in ("", "fp32"),
+                         "the SSM state rounded to a low precision after every step"),
+    "attention_accumulate": (lambda c: c.attention == "flash"
+                             and c.attention_accumulate != "fp32",
+                             "flash attention's P.V with BF16 roundings"),
+}
+
+_TOP = {"embed/embedding": "model.embeddings.weight", "final_norm/scale": "model.norm_f.weight",
+        "head/kernel": "lm_head.weight"}
+_MIXER = {  # a block's mixer parameter (after hf_layout) -> NemotronH's name under mixer.
+    "mamba": {"in_proj/kernel": "in_proj.weight", "out_proj/kernel": "out_proj.weight",
+              "conv1d/weight": "conv1d.weight", "conv_bias": "conv1d.bias",
+              "A_log": "A_log", "D": "D", "dt_bias": "dt_bias", "norm/scale": "norm.weight"},
+    "attention": {"q_proj/kernel": "q_proj.weight", "k_proj/kernel": "k_proj.weight",
+                  "v_proj/kernel": "v_proj.weight", "out/kernel": "o_proj.weight"},
+    "mlp": {"up/kernel": "up_proj.weight", "down/kernel": "down_proj.weight"},
+}
+_MTP = ("mtp_proj/", "mtp_block/", "mtp_norm_h/", "mtp_norm_e/", "mtp_head/")
+
+
+def check_expressible(cfg: ModelConfig) -> None:
+    """ValueError naming the first model option of ``cfg`` whose forward pass transformers'
+    NemotronH cannot compute (:data:`UNSUPPORTED`)."""
+    for option, (refused, what) in UNSUPPORTED.items():
+        if refused(cfg):
+            raise ValueError(f"model option {option}={getattr(cfg, option)!r} ({what}): "
+                             "transformers' NemotronHForCausalLM cannot express it; export a "
+                             f"run with {option} at its default")
+
+
+def hf_config(cfg: ModelConfig, *, max_positions: int) -> dict:
+    """NemotronH's ``config.json`` for the hybrid LM ``cfg`` (refused by
+    :func:`check_expressible` if transformers cannot express it). ``max_positions``: the
+    trained sequence length (NemotronH has no position embedding; informational)."""
+    check_expressible(cfg)
+    d, inner = cfg.d_model, cfg.ssm_expand * cfg.d_model
+    return {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "vocab_size": cfg.vocab, "hidden_size": d, "tie_word_embeddings": False,
+        "layers_block_type": [HF_BLOCKS[c] for c in cfg.pattern],
+        "hybrid_override_pattern": cfg.pattern,  # the older spelling (vLLM, transformers 4)
+        "num_hidden_layers": len(cfg.pattern),
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads,
+        "head_dim": d // cfg.num_heads, "attention_bias": False,
+        "max_position_embeddings": max_positions,
+        "intermediate_size": cfg.mlp_mult * d, "mlp_hidden_act": "relu2", "mlp_bias": False,
+        "mamba_num_heads": inner // cfg.ssm_head_dim, "mamba_head_dim": cfg.ssm_head_dim,
+        "expand": cfg.ssm_expand, "n_groups": 1, "ssm_state_size": cfg.ssm_state,
+        "conv_kernel": cfg.conv_width, "use_conv_bias": True, "mamba_hidden_act": "silu",
+        "mamba_proj_bias": False, "use_bias": False, "chunk_size": 128,
+        "time_step_min": 0.0,  # the mixer's lower clamp of the time step: none
+        "layer_norm_epsilon": RMSNorm.eps, "residual_in_fp32": True,
+        "num_nextn_predict_layers": 0,  # the MTP head is left out
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "use_cache": True, "dtype": cfg.dtype,
+    }
+
+
+def hf_name(path: str) -> str:
+    """NemotronH's tensor name of a path of :func:`hf_layout`'s output
+    (``blocks_2/attention/q_proj/kernel`` -> ``model.layers.2.mixer.q_proj.weight``)."""
+    if path in _TOP:
+        return _TOP[path]
+    m = re.fullmatch(r"blocks_(\d+)/(norm/scale|(mamba|attention|mlp)/(.+))", path)
+    if m and m[2] == "norm/scale":
+        return f"model.layers.{m[1]}.norm.weight"
+    if m and m[4] in _MIXER[m[3]]:
+        return f"model.layers.{m[1]}.mixer.{_MIXER[m[3]][m[4]]}"
+    raise ValueError(f"{path=}: no NemotronH tensor for it")
+
+
+def hf_layout(weights: dict, cfg: ModelConfig, split=None) -> dict:
+    """``weights`` (``{parameter path: array or QArray}``) in NemotronH's layout, still keyed
+    by paths (:func:`hf_name` names them; kernels stay ``[in, out]``): ``qkv`` split into
+    ``q_proj``, ``k_proj``, ``v_proj`` by ``split(path, value, thirds)`` (default: column
+    slices of an array), the convolution ``[W, C]`` as ``conv1d/weight`` ``[C, 1, W]``, the
+    MTP head's parameters left out. Every other path must have a NemotronH name."""
+    d, out = cfg.d_model, {}
+    for path, value in weights.items():
+        layer, _, leaf = path.rpartition("/")
+        if path.startswith(_MTP):
+            continue
+        if layer.endswith("/attention/qkv") and leaf == "kernel":
+            thirds = [slice(i * d, (i + 1) * d) for i in range(3)]
+            parts = (split or (lambda p, v, s: [v[:, c] for c in s]))(path, value, thirds)
+            base = layer.rpartition("/")[0]
+            out.update({f"{base}/{n}_proj/kernel": v for n, v in zip("qkv", parts)})
+        elif leaf == "conv_kernel":
+            out[f"{layer}/conv1d/weight"] = np.ascontiguousarray(np.asarray(value).T[:, None])
+        else:
+            out[path] = value
+    for path in out:
+        hf_name(path)  # every tensor has a name before anything is written
+    return out
+
+
+def _flat(params) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(params.get("params", params))[0]
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)
+            for p, v in flat}
+
+
+class _Folder:
+    """``out`` written under a temporary name beside it and renamed once complete; an
+    ``out`` that exists and is not an empty folder is refused before anything is written."""
+
+    def __init__(self, out):
+        self.out = Path(out)
+        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise ValueError(f"output folder {str(self.out)!r} exists and is not an empty "
+                             "folder; choose a new one")
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, kind, *_):
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        mask = _umask()  # the ordinary modes (mkdtemp's folder is 0700)
+        self.tmp.chmod(0o777 & ~mask)
+        for f in self.tmp.iterdir():
+            f.chmod(0o666 & ~mask)
+        if self.out.exists():
+            self.out.rmdir()  # empty (checked)
+        self.tmp.rename(self.out)
+        return False
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_config(folder: Path, cfg: ModelConfig, max_positions: int, meta: dict) -> None:
+    config = {**hf_config(cfg, max_positions=max_positions), "fp4lab": meta}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _meta(cfg: ModelConfig, weights: str, metadata) -> dict:
+    """``config.json``'s ``fp4lab`` section: the weights, ``metadata``, and whether the MTP
+    head was left out."""
+    return {"weights": weights, **(metadata or {}),
+            **({"mtp": "left out (not exported)"} if cfg.mtp else {})}
+
+
+def write_bf16(params, cfg: ModelConfig, out, *, max_positions: int,
+               metadata: dict | None = None) -> Path:
+    """Write ``params`` (the hybrid LM's, float32) to the folder ``out`` as a BF16
+    NemotronH checkpoint: ``config.json`` (:func:`hf_config`, with ``metadata`` under
+    ``fp4lab``) and ``model.safetensors``, every tensor BF16. Returns ``out``."""
+    from safetensors.numpy import save_file
+
+    check_expressible(cfg)
+    laid = hf_layout(_flat(params), cfg)
+    tensors = {}
+    for path, value in laid.items():
+        a = np.asarray(value, np.float32).astype(ml_dtypes.bfloat16)
+        tensors[hf_name(path)] = np.ascontiguousarray(a.T if path.endswith("/kernel") else a)
+    with _Folder(out) as tmp:
+        _write_config(tmp, cfg, max_positions, _meta(cfg, "bf16", metadata))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(out)
+
+
+def _requantize_thirds(record: dict, params_flat: dict):
+    """``hf_layout``'s ``split`` for quantized weights: each third of a quantized ``qkv``
+    kernel quantized again as the fused one was (its format, tile or axis, and its tensor
+    amax), from the kernel in the GEMM's compute dtype; checked to equal the fused QArray's
+    values bit for bit."""
+    def split(path, value, thirds):
+        if not isinstance(value, QArray):
+            return [value[:, c] for c in thirds]
+        dtype = record[path.rpartition("/")[0]].compute_dtype
+        w = jnp.asarray(params_flat[path])
+        w = (w.astype(dtype) if dtype else w).astype(jnp.float32)
+        fused = np.asarray(dequantize(value))
+        parts = []
+        for c in thirds:
+            q = quantize(w[:, c], value.format, axis=value.axis, tile=value.tile,
+                         global_amax=value.global_scale)
+            if not np.array_equal(np.asarray(dequantize(q)).view(np.uint32),
+                                  fused[:, c].view(np.uint32)):
+                raise RuntimeError(f"{path}: a third requantized with the fused amax differs "
+                                   "from the fused kernel's values")
+            parts.append(q)
+        return parts
+
+    return split
+
+
+def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
+                metadata: dict | None = None) -> Path:
+    """Write ``params`` to the folder ``out`` as a compressed-tensors NVFP4 NemotronH
+    checkpoint: :func:`hf_config`'s ``config.json`` first, then
+    ``fp4lab.export.save(..., "nvfp4", names=hf_name)``, which extends it with
+    ``quantization_config``. ``record``: the quantized model's assignments
+    (``QuantizedLinen.assignments``), what each kernel's forward GEMM did. Returns ``out``."""
+    from fp4lab import export
+
+    check_expressible(cfg)
+    flat = _flat(params)
+    weights = export.quantized_weights({"params": params}, record)
+    laid = hf_layout(weights, cfg, split=_requantize_thirds({a.path: a for a in record}, flat))
+    with _Folder(out) as tmp:
+        meta = _meta(cfg, "nvfp4", metadata)
+        _write_config(tmp, cfg, max_positions, meta)  # save extends it (its fp4lab: meta)
+        export.save(laid, tmp, "nvfp4", names=hf_name, metadata=meta)
+    return Path(out)
+
+
+def export_hf(workdir, out, *, weights: str = "bf16", policy: str | None = None) -> Path:
+    """The run in ``workdir`` as a NemotronH folder ``out``: ``weights`` ``bf16`` or
+    ``nvfp4`` (each kernel as the run's model computes it under its policy, or
+    ``policy``)."""
+    from experiments.runs import load_run, validation_tokens
+    from experiments.step import model_config
+    from fp4lab.flax import quantize_model
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: use one of {WEIGHTS}")
+    run = load_run(workdir)
+    cfg = model_config(run.config, run.data)
+    check_expressible(cfg)
+    name = policy or run.config.precision.policy
+    meta = {"run": Path(workdir).name, "policy_name": name, "seed": run.config.seed}
+    kw = dict(max_positions=run.config.data.seq_len, metadata=meta)
+    if weights == "bf16":
+        return write_bf16(run.params, cfg, out, **kw)
+    inputs, _ = validation_tokens(run.config, run.data, 1)
+    record = quantize_model(HybridLM(cfg), policies.get(name)).assignments(
+        {"params": run.params}, inputs, rngs={"quant": jax.random.key(0)})
+    return write_nvfp4(run.params, record, cfg, out, **kw)
+
+
+@command
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Write a trained run as transformers' "
+                                 "NemotronHForCausalLM (BF16 or compressed-tensors NVFP4).")
+    ap.add_argument("--run", required=True, help="a finished run's folder")
+    ap.add_argument("--out", required=True, help="a new folder")
+    ap.add_argument("--weights", default="bf16", choices=WEIGHTS)
+    ap.add_argument("--policy", default=None, help="nvfp4: instead of the run's own policy")
+    args = ap.parse_args(argv)
+    path = export_hf(args.run, args.out, weights=args.weights, policy=args.policy)
+    print(f"wrote {path} (NemotronHForCausalLM, {args.weights})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
