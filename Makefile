@@ -38,6 +38,19 @@ $(CONSUMERS)/.installed: scripts/consumer-venv
 $(MAXTEXT)/.installed: scripts/maxtext-venv
 	sh scripts/maxtext-venv $(MAXTEXT)
 
+# make check-vllm: vLLM 0.33's own configuration code (method detection, from_config, each
+# layer's dispatch; no kernels, CPU torch) on tiny NVFP4 folders that fp4lab exports in both
+# layouts (scripts/vllm-venv; tests/fp4lab/test_vllm_config.py, which `make test` skips
+# while .venv-vllm is absent); prints what vLLM decided for each folder
+VLLM ?= .venv-vllm
+.PHONY: check-vllm
+$(VLLM)/.installed: scripts/vllm-venv
+	sh scripts/vllm-venv $(VLLM)
+
+check-vllm: $(TEST) $(VLLM)/.installed
+	FP4LAB_VLLM_PYTHON=$(abspath $(VLLM))/bin/python \
+	$(PY) -m pytest -q -s -rxX tests/fp4lab/test_vllm_config.py $(PYTEST_ARGS)
+
 $(BENCH): pyproject.toml $(PY)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	@touch $(BENCH) $(BASE)
