@@ -223,25 +223,46 @@ def decode(data: jax.Array, fmt: ElementFormat) -> jax.Array:
     return data.astype(jnp.float32)
 
 
-def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
+def pack_nibbles(codes: jax.Array, axis: int, *, halves: int | None = None) -> jax.Array:
     """Pack 4-bit codes two per byte along ``axis``: element 2i in the low nibble, 2i+1 in
-    the high nibble (TE's ``cast_to_fp4x2``, torch's ``float4_e2m1fn_x2``)."""
+    the high nibble (TE's ``cast_to_fp4x2``, torch's ``float4_e2m1fn_x2``).
+
+    ``halves=n``: GGML's order instead: in each run of ``n`` codes along ``axis``, code ``j``
+    (``j < n/2``) in the low nibble of byte ``j`` and code ``j + n/2`` in its high nibble
+    (ggml-common.h: ``block_q4_0`` and ``block_mxfp4`` with ``n = 32``, each 16-value
+    sub-block of ``block_nvfp4`` with ``n = 16``)."""
     axis = axis % codes.ndim
     n = codes.shape[axis]
     if n % 2:
         raise ValueError(f"cannot pack an odd length {n} along axis {axis}")
+    if halves is not None:
+        codes = _swap_halves(codes, axis, halves, split=True)
     pairs = codes.reshape(codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1 :])
     lo = lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
     hi = lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
     return (lo | (hi << 4)).astype(jnp.uint8)
 
 
-def unpack_nibbles(packed: jax.Array, axis: int) -> jax.Array:
-    """Inverse of :func:`pack_nibbles`."""
+def unpack_nibbles(packed: jax.Array, axis: int, *, halves: int | None = None) -> jax.Array:
+    """Inverse of :func:`pack_nibbles` (with the same ``halves``)."""
     axis = axis % packed.ndim
     both = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
     shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1 :]
-    return both.reshape(shape)
+    codes = both.reshape(shape)
+    return codes if halves is None else _swap_halves(codes, axis, halves, split=False)
+
+
+def _swap_halves(codes: jax.Array, axis: int, n: int, *, split: bool) -> jax.Array:
+    """Reorder each run of ``n`` codes along ``axis`` between GGML's order (the first half,
+    then the second) and the pairs that interleaved packing puts in one byte (``j``,
+    ``j + n/2``): ``split=True`` goes to the pairs, ``split=False`` back."""
+    length = codes.shape[axis]
+    if n % 2 or length % n:
+        raise ValueError(f"cannot pack halves of runs of {n} along axis {axis} of length "
+                         f"{length}")
+    groups = (length // n, 2, n // 2) if split else (length // n, n // 2, 2)
+    g = jnp.reshape(codes, codes.shape[:axis] + groups + codes.shape[axis + 1 :])
+    return jnp.swapaxes(g, axis + 1, axis + 2).reshape(codes.shape)
 
 
 # --------------------------------------------------------------------------- exact division

@@ -150,9 +150,11 @@ def test_an_nnx_model_exports_by_its_layer_paths(tmp_path):
 
 def test_what_a_layout_cannot_hold_is_refused(tmp_path):
     w = export.quantized_weights(_params(), "nvfp4")
-    with pytest.raises(ValueError, match="format 'nvfp4' has no GGUF type"):
-        export.save(w, tmp_path / "m.gguf", "gguf")
-    with pytest.raises(ValueError, match="is not MXFP4"):
+    mx8 = export.quantized_weights(_params(), "mxfp8")
+    with pytest.raises(ValueError, match="format 'mxfp8' has no gguf type; the gguf layout "
+                                         "takes int4_q4_0, int8_q8_0, mxfp4, mxfp4_floor, nvfp4"):
+        export.save(mx8, tmp_path / "m.gguf", "gguf")
+    with pytest.raises(ValueError, match="format 'nvfp4' has no mxfp4 type"):
         export.save(w, tmp_path / "m", "mxfp4")
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.gguf").exists()  # nothing
     with pytest.raises(ValueError, match="unknown layout 'onnx'"):
@@ -236,6 +238,164 @@ def test_a_gguf_file_made_by_ggml_loads_into_qarrays(tmp_path):
         step()
     with pytest.raises(ValueError, match="tensor 't' is GGML Q5_0"):
         export.load(tmp_path / "k.gguf")
+
+
+# --------------------------------------------------------- GGML's MXFP4 and NVFP4 types
+
+
+def _fp4_params():
+    k = jax.random.split(jax.random.key(3), 3)
+    return {"params": {
+        "blocks_0": {"mlp": {"up": {"kernel": jax.random.normal(k[0], (128, 96))},
+                             "down": {"kernel": jax.random.normal(k[1], (64, 128)) * 1e-3}}},
+        "norm": {"scale": jnp.linspace(0.5, 1.5, 128)},
+        "head": {"kernel": jax.random.normal(k[2], (128, 40))}}}  # a partial 16x16 tile
+
+
+def _ulps(a, b) -> np.ndarray:
+    """Distance in float32 ulps (of values that share their signs or are zero)."""
+    ia, ib = (np.asarray(v, np.float32).view(np.int32).astype(np.int64) for v in (a, b))
+    ia, ib = (np.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ia, ib))
+    return np.abs(ia - ib)
+
+
+def _unsigned_zeros(a: np.ndarray) -> np.ndarray:
+    """``a`` with -0 as +0: GGML's E2M1 table (kvalues_mxfp4) has no -0."""
+    return np.where(a == 0, np.float32(0), a).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_ggml_nibble_order_is_the_halves_of_each_run(n):
+    """fp4lab.rounding.pack_nibbles(halves=n), which the GGUF writer uses: in each run of n
+    codes, byte j holds code j low and code j + n/2 high (ggml-common.h's block_q4_0 and
+    block_mxfp4 with n = 32, each 16 of block_nvfp4 with n = 16), and unpack inverts it."""
+    from fp4lab import rounding
+
+    codes = np.random.default_rng(n).integers(0, 16, (3, 4 * n), dtype=np.uint8)
+    packed = np.asarray(rounding.pack_nibbles(jnp.asarray(codes), -1, halves=n))
+    runs = codes.reshape(3, 4, n)
+    want = runs[..., : n // 2] | (runs[..., n // 2:] << 4)
+    np.testing.assert_array_equal(packed, want.reshape(3, -1))
+    np.testing.assert_array_equal(
+        np.asarray(rounding.unpack_nibbles(jnp.asarray(packed), -1, halves=n)), codes)
+    with pytest.raises(ValueError, match="cannot pack halves of runs of 64 along axis 1 of "
+                                         "length 48"):
+        rounding.pack_nibbles(jnp.zeros((2, 48), jnp.uint8), 1, halves=64)
+
+
+@pytest.mark.parametrize("recipe, qtype", [
+    ("mxfp4_weights", "MXFP4"), ("nvfp4", "NVFP4"), ("nvfp4_1d_weights", "NVFP4")])
+def test_gguf_holds_mxfp4_and_nvfp4_as_ggml_reads_them(tmp_path, recipe, qtype):
+    """MXFP4 and NVFP4 kernels as GGML's own types (llama.cpp's C code checks the bytes in
+    test_export_consumers.py; here GGML's NumPy port, gguf.quants): gguf's reader finds
+    them, an NVFP4 weight with its F32 ``<name>.scale`` = ``fl(amax / 2688)``; GGML's
+    dequantization of the bytes (times that scale) is fp4lab's dequantized weight, MXFP4
+    bit for bit (+0 where fp4lab has -0), NVFP4 within 2 float32 ulps (docs/export.md);
+    load gives the QArrays back (16x16 tiles as the 1D groups they hold)."""
+    w = export.quantized_weights(_fp4_params(), recipe)
+    path = export.save(w, tmp_path / "m.gguf", "gguf")
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    ggml_type = getattr(gguf.GGMLQuantizationType, qtype)
+    for p in ("blocks_0/mlp/up/kernel", "blocks_0/mlp/down/kernel", "head/kernel"):
+        name = export.tensor_name(p)
+        assert by_name[name].tensor_type == ggml_type
+        got = quants.dequantize(np.asarray(by_name[name].data), ggml_type).astype(np.float32)
+        want = np.asarray(fp4lab.dequantize(w[p])).T  # [out, in], as GGML's rows
+        if qtype == "MXFP4":
+            np.testing.assert_array_equal(got.view(np.uint32),
+                                          _unsigned_zeros(want).view(np.uint32))
+            continue
+        scale = np.asarray(by_name[name[:-len("weight")] + "scale"].data)
+        amax = np.float32(w[p].global_scale)
+        assert scale.dtype == np.float32 and scale.tolist() == [amax / np.float32(2688)]
+        assert int(_ulps(got * scale[0], want).max()) <= 2
+        assert np.array_equal(np.signbit(got * scale[0]), np.signbit(_unsigned_zeros(want)))
+    file_type = reader.fields["general.file_type"]
+    assert int(file_type.parts[file_type.data[0]][0]) == int(getattr(
+        gguf.LlamaFileType, "MOSTLY_MXFP4_MOE" if qtype == "MXFP4" else "MOSTLY_NVFP4"))
+    back = export.load(path)
+    assert set(back) == set(w)
+    for p, v in w.items():
+        if not isinstance(v, fp4lab.QArray):
+            np.testing.assert_array_equal(np.asarray(back[p]), np.asarray(v))
+            continue
+        assert back[p].tile is None and back[p].format == v.format
+        np.testing.assert_array_equal(np.asarray(fp4lab.dequantize(back[p])).view(np.uint32),
+                                      np.asarray(fp4lab.dequantize(v)).view(np.uint32))
+        if not v.tile:
+            _same_qarray(back[p], v)
+
+
+def test_gguf_refuses_fp4_that_ggml_cannot_hold(tmp_path):
+    """Refused, naming the tensor, with nothing written: an NVFP4 K that is not a whole
+    number of GGML's 64-blocks, a negative block scale (UE4M3 has no sign), a tensor amax
+    whose fp4lab decode factor overflows, an MXFP4 NaN block, an NVFP4 weight whose
+    ``.scale`` llama.cpp would not load (for an architecture llama.cpp runs), and a
+    ``.scale`` name another tensor has."""
+    def nv(k_in, scale=1.0):
+        return export.quantized_weights({"k": {"kernel": jnp.ones((k_in, 8)) * scale}},
+                                        "nvfp4_1d_weights")["k/kernel"]
+
+    cases = [({"k/kernel": nv(96)}, {}, r"k/kernel: K = 96 is not a whole number of GGML "
+                                        r"NVFP4's 64-blocks"),
+             ({"k/kernel": dataclasses.replace(nv(64), scale=-nv(64).scale)}, {},
+              r"k/kernel: 32 block scale\(s\) are negative, -0 or NaN"),
+             ({"k/kernel": nv(64, 1e37)}, {}, r"k/kernel: the tensor amax \S+ makes fp4lab's "
+                                              "decode factor .* overflow"),
+             ({"k/kernel": nv(64)}, {"arch": "llama"}, "k/kernel: llama.cpp loads the per-"
+                                                       "tensor scale of an NVFP4 weight only"),
+             ({"k/kernel": nv(64), "k/scale": jnp.ones(3)}, {},
+              "k/kernel: its NVFP4 scale tensor 'k.scale' has the name of another tensor")]
+    mx = export.quantized_weights({"k": {"kernel": jnp.ones((64, 8)).at[3, 1].set(jnp.nan)}},
+                                  "mxfp4_weights")
+    cases.append((mx, {}, r"k/kernel: 1 block\(s\) hold NaN .*llama.cpp refuses"))
+    for tensors, kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            export.save(tensors, tmp_path / "m.gguf", "gguf", **kw)
+        assert list(tmp_path.iterdir()) == []
+    export.save({"k/kernel": nv(64)}, tmp_path / "m.gguf", "gguf", arch="llama",
+                names={"k/kernel": "blk.0.ffn_up.weight"}.__getitem__)
+    assert {t.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors} == {
+        "blk.0.ffn_up.weight", "blk.0.ffn_up.scale"}
+
+
+def test_a_gguf_file_of_mxfp4_and_nvfp4_made_elsewhere_loads_into_qarrays(tmp_path):
+    """GGML MXFP4 blocks from gguf's own quantizer, and NVFP4 blocks of arbitrary bytes (gguf
+    has no NVFP4 quantizer), written by gguf's writer with no fp4lab index: their QArrays
+    dequantize to GGML's values (gguf.quants.dequantize), MXFP4 bit for bit, NVFP4 bit for
+    bit without a ``.scale`` (amax 2688: fp4lab's factor is then s_b itself) and within 2
+    ulps of GGML's values times the ``.scale`` with one (amax = fl(scale * 2688))."""
+    rng = np.random.default_rng(0)
+    mx = quants.quantize(rng.standard_normal((8, 64)).astype(np.float32),
+                         gguf.GGMLQuantizationType.MXFP4)
+    nv = rng.integers(0, 256, (2, 16, 36), dtype=np.uint8)  # 2 weights [8, 128]
+    nv[..., :4] %= 0x7F  # UE4M3 scale bytes: no sign, no NaN
+    nv = nv.reshape(2, 8, 72)
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_gate.weight", mx, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    for i in range(2):
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", nv[i],
+                          raw_dtype=gguf.GGMLQuantizationType.NVFP4)
+    writer.add_tensor("blk.1.ffn_up.scale", np.float32([0.0123]))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    back = export.load(tmp_path / "g.gguf")
+    assert set(back) == {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.1.ffn_up.weight"}
+    got = np.asarray(fp4lab.dequantize(back["blk.0.ffn_gate.weight"])).T
+    ggml = quants.dequantize(mx, gguf.GGMLQuantizationType.MXFP4).astype(np.float32)
+    np.testing.assert_array_equal(_unsigned_zeros(got).view(np.uint32), ggml.view(np.uint32))
+    for i, scale in ((0, None), (1, np.float32(0.0123))):
+        q = back[f"blk.{i}.ffn_up.weight"]
+        ggml = quants.dequantize(nv[i], gguf.GGMLQuantizationType.NVFP4).astype(np.float32)
+        got = _unsigned_zeros(np.asarray(fp4lab.dequantize(q)).T)
+        if scale is None:
+            assert float(q.global_scale) == 2688
+            np.testing.assert_array_equal(got.view(np.uint32), ggml.view(np.uint32))
+        else:
+            assert float(q.global_scale) == np.float32(scale * np.float32(2688))
+            assert int(_ulps(got, ggml * scale).max()) <= 2
 
 
 # ------------------------------------------------------------ the QAT forward's own weights
@@ -499,7 +659,8 @@ def test_gguf_keys_of_the_architecture_are_typed(tmp_path):
     weights = export.quantized_weights(params, "q4_0_qat")
     path = export.save(weights, tmp_path / "m.gguf", "gguf", arch="llama", metadata={
         "llama.block_count": 1, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "llama.attention.head_count_kv": [0, 2], "general.name": "tiny", "note": {"a": 1}})
+        "llama.attention.head_count_kv": [0, 2], "general.name": "tiny", "note": {"a": 1},
+        "tokenizer.ggml.tokens": ["a", "b"], "llama.swa": [-1, 2]})
     fields = gguf.GGUFReader(path).fields
     T = gguf.GGUFValueType
 
@@ -512,6 +673,8 @@ def test_gguf_keys_of_the_architecture_are_typed(tmp_path):
     types, eps = value("llama.attention.layer_norm_rms_epsilon")
     assert types == [T.FLOAT32] and abs(eps - 1e-5) < 1e-12
     assert value("llama.attention.head_count_kv") == ([T.ARRAY, T.UINT32], [0, 2])
+    assert value("tokenizer.ggml.tokens") == ([T.ARRAY, T.STRING], ["a", "b"])
+    assert value("llama.swa") == ([T.ARRAY, T.INT32], [-1, 2])
     assert value("general.name") == ([T.STRING], "tiny")
     assert value("fp4lab.note") == ([T.STRING], '{"a": 1}')
     assert value("general.file_type")[1] == int(gguf.LlamaFileType.MOSTLY_Q4_0)

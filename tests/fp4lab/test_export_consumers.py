@@ -2,14 +2,15 @@
 gpt-oss MXFP4 loader and compressed-tensors' NVFP4 decompressor (directly, and from the
 ModelOpt layout through its converter), run in the consumers' environment
 (scripts/consumer-venv; tests/consumers/dequantize.py), against ``fp4lab.dequantize``; and
-fp4lab's GGUF Q4_0 / Q8_0 bytes against llama.cpp's own C quantizer
-(tests/consumers/ggml_quantize.py).
+fp4lab's GGUF Q4_0 / Q8_0 bytes against llama.cpp's own C quantizer, and its GGUF MXFP4 /
+NVFP4 bytes read by llama.cpp's own C dequantizer (tests/consumers/ggml_quantize.py).
 
 The weights are the adversarial blocks of tests/adversarial.py (values on and beside every
 rounding boundary of the scale and element arithmetic), their non-finite values (which the
 layouts refuse, test_export.py) set to zero, and a Gaussian kernel.
 """
 
+import dataclasses
 import json
 import select
 import subprocess
@@ -24,6 +25,8 @@ from adversarial import cases
 
 import fp4lab
 from fp4lab import export
+from fp4lab.export import ggml
+from fp4lab.export.blocks import blocks as kernel_blocks
 
 ROOT = Path(__file__).parents[2]
 SERVER = ROOT / "tests" / "consumers" / "serve.py"
@@ -243,6 +246,122 @@ def test_gguf_bytes_are_llama_cpps_own(consumer, tmp_path, fmt, recipe, qtype):
     top = np.finfo(np.float32).max
     huge = np.float32([[top] + [1.0] * 31, [-top] + [-1.0] * 31, [1.0] * 31 + [-top]])
     q = export.quantized_weights({"w": {"kernel": jnp.asarray(huge.T)}}, recipe)["w/kernel"]
-    b = export._blocks("w/kernel", q)
-    raw = export._q4_0_bytes(b) if qtype == "Q4_0" else export._q8_0_bytes(b)
+    raw = ggml.BY_NAME[qtype].to_bytes(kernel_blocks("w/kernel", q))
     np.testing.assert_array_equal(raw, _c_bytes(consumer, qtype, huge, tmp_path))
+
+
+# ------------------------------------------------------------- GGUF MXFP4 and NVFP4
+
+
+def _fp4_kernels(fmt: str) -> dict[str, fp4lab.QArray]:
+    """[in, out] kernels quantized along in, with K a whole number of GGML's blocks (32 for
+    MXFP4, 64 for NVFP4): the adversarial cases (their blocks of 16 laid four to a row of 64,
+    a 16x16-tile case's K zero-padded to a multiple of 64; same tensor amax) and a Gaussian."""
+    out = {}
+    for i, c in enumerate(cases(fmt)):
+        x = np.where(np.isfinite(c.x), c.x, 0).astype(np.float32)
+        if fmt == "nvfp4" and c.tile:
+            k = x.T
+            k = np.concatenate([k, np.zeros((-len(k) % 64, k.shape[1]), np.float32)])
+            q = fp4lab.quantize(jnp.asarray(k), fmt, tile=c.tile)
+        elif fmt == "nvfp4":
+            q = fp4lab.quantize(jnp.asarray(x.reshape(-1, 64).T), fmt, axis=0)
+        else:
+            q = fp4lab.quantize(jnp.asarray(x.T), fmt, axis=0)
+        out[f"case_{i}/kernel"] = q
+    rng = np.random.default_rng(0)
+    out["gauss/kernel"] = fp4lab.quantize(jnp.asarray(rng.standard_normal((256, 96)),
+                                                      jnp.float32), fmt, axis=0)
+    return out
+
+
+def _c_values(consumer, qtype: str, raw: np.ndarray, tmp_path) -> np.ndarray:
+    """llama.cpp's to_float of ``[rows, bytes]`` GGML blocks (after its loader's check)."""
+    np.save(tmp_path / "blocks.npy", raw)
+    consumer.run("ggml_quantize.py", "dequantize", qtype, tmp_path / "blocks.npy",
+                 tmp_path / "values.npy")
+    return np.load(tmp_path / "values.npy")
+
+
+def _unsigned_zeros(a) -> np.ndarray:
+    """-0 as +0: GGML's E2M1 table (kvalues_mxfp4) has no -0, so its weights have none."""
+    return np.where(np.asarray(a) == 0, np.float32(0), a).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, qtype", [("mxfp4", "MXFP4"), ("nvfp4", "NVFP4")])
+def test_llama_cpp_reads_the_gguf_fp4_weights_as_fp4lab_dequantizes_them(
+        consumer, tmp_path, fmt, qtype):
+    """fp4lab's GGUF MXFP4 / NVFP4 tensors, as the file holds them, pass llama.cpp's loader
+    check (ggml_validate_row_data) and its C dequantizer (the type's to_float:
+    dequantize_row_mxfp4 / dequantize_row_nvfp4) gives:
+
+    * MXFP4: fp4lab's dequantized weight bit for bit, except that GGML's E2M1 table has no
+      -0 (code 8 is +0): the only differing bits are fp4lab's -0 as +0;
+    * NVFP4, before its ``.scale``: ``q * s_b`` exactly, which is fp4lab's dequantization at
+      a tensor amax of 2688 (``fl(fl(s_b * 2688) * fl(1/2688)) = s_b``), the -0 aside: the
+      codes and block scales are read as fp4lab holds them;
+    * NVFP4 times its ``.scale`` (``fl(amax / 2688)``, as ``ggml_mul`` multiplies the
+      matmul's output by it): within 2 float32 ulps of fp4lab's dequantization, which rounds
+      ``fl(s_b * amax) * fl(1/2688)`` per block first (Transformer Engine's order); the
+      count of values that differ is in the failure message and docs/export.md."""
+    weights = _fp4_kernels(fmt)
+    path = export.save(weights, tmp_path / "m.gguf", "gguf")
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    differ, total, negative_zeros = 0, 0, 0
+    for p, q in weights.items():
+        name = export.tensor_name(p)
+        raw = np.asarray(tensors[name].data)
+        got = _c_values(consumer, qtype, raw.reshape(q.shape[1], -1), tmp_path)  # [out, in]
+        want = np.asarray(fp4lab.dequantize(q)).T
+        negative_zeros += int(((want == 0) & np.signbit(want)).sum())
+        if qtype == "MXFP4":
+            np.testing.assert_array_equal(got.view(np.uint32),
+                                          _unsigned_zeros(want).view(np.uint32))
+            continue
+        unit = q if not q.tile else export.load(path)[p]  # 16x16 tiles: the 1D groups held
+        unit = dataclasses.replace(unit, global_scale=jnp.float32(2688))
+        np.testing.assert_array_equal(
+            got.view(np.uint32), _unsigned_zeros(np.asarray(fp4lab.dequantize(unit)).T).view(
+                np.uint32))
+        scale = np.asarray(tensors[name.removesuffix("weight") + "scale"].data)
+        served = got * scale[0]
+        assert np.array_equal(np.signbit(served), np.signbit(_unsigned_zeros(want)))
+        ulps = _ulps(served, want)
+        assert int(ulps.max()) <= 2, (p, int(ulps.max()))
+        differ, total = differ + int((ulps > 0).sum()), total + want.size
+    assert negative_zeros > 0  # the -0 codes were exercised
+    if qtype == "NVFP4":
+        assert 0 < differ < 0.25 * total, (differ, total)
+
+
+def test_llama_cpps_mxfp4_quantizer_is_the_ocp_floor_rule_with_its_own_ties(consumer, tmp_path):
+    """What llama.cpp's own MXFP4 quantizer (quantize_row_mxfp4_ref, as llama-quantize runs
+    it) writes for the same float weights, against fp4lab's ``mxfp4_floor`` (the OCP rule it
+    follows, ``e = floor(log2 amax) - 2``): the same scale byte except where ``log2f``
+    rounds an amax just below ``2^k`` up to ``k`` (GGML's byte is then one more), and, where
+    the scales agree, the same codes except at E2M1 ties (GGML keeps the first of two equally
+    near values of its table, the smaller magnitude; fp4lab rounds to even) and where fp4lab
+    has -0 (GGML +0). So a GGUF file fp4lab writes from ``mxfp4_floor`` weights differs from
+    llama-quantize's only there; fp4lab's ``mxfp4`` (RCEIL) is another scale rule."""
+    x = np.concatenate([np.where(np.isfinite(c.x), c.x, 0) for c in cases("mxfp4")]
+                       + [np.random.default_rng(0).standard_normal((64, 32))]).astype(np.float32)
+    rows = x.reshape(-1, 64)  # [out, in]
+    theirs = _c_bytes(consumer, "MXFP4", rows, tmp_path).reshape(-1, 17)
+    q = fp4lab.quantize(jnp.asarray(rows.T), "mxfp4_floor", axis=0)
+    ours = ggml.BY_NAME["MXFP4"].to_bytes(kernel_blocks("w", q)).reshape(-1, 17)
+    amax = np.abs(x).max(axis=1).astype(np.float64)
+    moved = ours[:, 0] != theirs[:, 0]
+    k = np.ceil(np.log2(amax[moved]))
+    assert moved.any() and (theirs[moved, 0] == ours[moved, 0] + 1).all()
+    assert ((amax[moved] < 2.0 ** k) & (amax[moved] > 2.0 ** k * (1 - 2.0 ** -16))).all()
+    same = ~moved
+    oc = ggml.unpack(ours[same, 1:], halves=32).astype(int)
+    tc = ggml.unpack(theirs[same, 1:], halves=32).astype(int)
+    v = x[same] * np.exp2(127.0 - ours[same, :1])  # the block's elements before rounding
+    table = np.float64([0, .5, 1, 1.5, 2, 3, 4, 6] * 2) * np.repeat([1, -1], 8)
+    tie = np.isin(np.abs(v), [.25, .75, 1.25, 1.75, 2.5, 3.5, 5])
+    differ, zero = oc != tc, (oc == 8) & (tc == 0)
+    assert differ.any() and (tie | zero | ~differ).all()
+    assert (np.abs(table[tc]) < np.abs(table[oc]))[tie & differ & ~zero].all()
