@@ -96,8 +96,22 @@ def _config(algo: str, **kw) -> dict:
             "ignore": ["lm_head"], "producer": {"name": "fp4lab"}, **kw}
 
 
-WEIGHT_ONLY_GROUPS = {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-    "dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}}}
+FP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+WEIGHT_ONLY_GROUPS = {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                  "weights": FP4_ARGS}}
+
+
+def _proposed(algo: str) -> tuple[dict, dict]:
+    """What the ModelOpt layout should write (issue 25): hf_quant_config.json (TensorRT-LLM's;
+    vLLM reads it only without a config.json quantization_config) with kv_cache_quant_algo,
+    and config.json's quantization_config as ModelOpt's converter writes it, targets named."""
+    groups = {"group_0": {"targets": PROJECTIONS, "weights": FP4_ARGS,
+                          "input_activations": FP4_ARGS if algo == "NVFP4" else None}}
+    producer = {"name": "fp4lab", "version": "0.1.0"}
+    hf = {"producer": producer, "quantization": {
+        "quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
+        "exclude_modules": ["lm_head"]}}
+    return hf, {**_config(algo, config_groups=groups), "producer": producer}
 
 # name: (source folder, hf_quant_config.json, config.json quantization_config)
 EDITS = {
@@ -111,6 +125,8 @@ EDITS = {
     "config_nvfp4_input_scale": ("modelopt_w4a4", None, _config("NVFP4")),
     "config_nvfp4": ("modelopt", None, _config("NVFP4")),
     "config_w4a16_nvfp4_input_scale": ("modelopt_w4a4", None, _config("W4A16_NVFP4")),
+    "proposed_w4a16": ("modelopt", *_proposed("W4A16_NVFP4")),
+    "proposed_w4a4": ("modelopt_w4a4", *_proposed("NVFP4")),
 }
 
 
@@ -165,8 +181,8 @@ def test_vllm_serves_the_compressed_tensors_folder_weight_only(vllm):
     "issue 25: hf_quant_config.json says producer.name fp4lab and config.json has no "
     "quantization_config, so vLLM 0.33 finds no method (model_arch_config_convertor.py:"
     "249-255 sets quant_method only for producer modelopt) and would load the uint8 "
-    "weights as an unquantized model; the fix is the config.json of config_w4a16_nvfp4 / "
-    "config_nvfp4_input_scale below"))
+    "weights as an unquantized model; the fix: write what proposed_w4a16 / proposed_w4a4 "
+    "below hold (then remove this mark)"))
 @pytest.mark.parametrize("name", ["modelopt", "modelopt_w4a4"])
 def test_vllm_serves_the_modelopt_folder(vllm, name):
     r = vllm[name]
@@ -189,6 +205,8 @@ ACCEPTS = {
     "config_nvfp4_input_scale": ("W4A4", None, ""),
     "config_nvfp4": (None, "input_scale", "as legacy_nvfp4"),
     "config_w4a16_nvfp4_input_scale": ("W4A16", None, "_DropInputScale, modelopt.py:2532"),
+    "proposed_w4a16": ("W4A16", None, ""),
+    "proposed_w4a4": ("W4A4", None, ""),
 }
 
 
