@@ -20,13 +20,16 @@ For each folder, as vLLM does when it starts a model:
    module's scheme arguments (``get_scheme_dict``) and the scheme class
    ``_get_scheme_from_parts`` builds (on a machine without an NVFP4 GEMM, vLLM's kernel
    selection refuses the scheme; the scheme it chose is read off that refusal and the
-   kernel's reason printed).
+   kernel's reason printed);
+4. the shards that vLLM's model class fuses (``packed_modules_mapping``, from vLLM's model
+   registry for the config's architecture): vLLM keeps one global scale per fused layer.
 
 Prints what vLLM decided, one ``key: value`` per line, then ``RESULT {json}`` per folder.
 Exit status 1 if any folder fails: no method detected, ``from_config`` raising, a quantized
 module that vLLM would treat as unquantized (or the reverse), or a parameter vLLM registers
 that the checkpoint lacks (W4A4 NVFP4 without ``input_scale``: vLLM would read uninitialized
-memory as the activation scale).
+memory as the activation scale), or shards of one fused layer with different global
+scales (vLLM would dequantize all but one of them off by the ratio).
 """
 
 import json
@@ -219,6 +222,42 @@ def compressed_tensors(qc, modules: dict, tensors: dict, out: dict) -> list[str]
     return fails
 
 
+GLOBAL_SCALES = ("weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale")
+
+
+def fused_scales(folder: Path, mc, modules: dict, out: dict) -> list[str]:
+    """vLLM fuses the shards its model class names (``packed_modules_mapping``: Llama's
+    q/k/v_proj into qkv_proj, gate/up_proj into gate_up_proj) into one layer with ONE
+    global scale, the shards' max (modelopt.py:2093 and 2126, compressed-tensors'
+    compressed_tensors_w4a4_nvfp4.py:111 and 124), and only warns when they differ: every
+    shard with another scale then dequantizes (or quantizes its input) off by the ratio.
+    The shards of one fused layer must therefore carry equal global scales."""
+    from safetensors import safe_open
+
+    cls, _ = mc.registry.resolve_model_cls(mc.architectures, model_config=mc)
+    packed = dict(getattr(cls, "packed_modules_mapping", {}) or {})
+    out["fused"] = packed
+    values = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            values.update({k: st.get_tensor(k).float().reshape(-1).tolist() for k in st.keys()
+                           if k.rsplit(".", 1)[1] in GLOBAL_SCALES})
+    fails = []
+    for fused, shards in packed.items():
+        for module in sorted(modules):
+            prefix, _, last = module.rpartition(".")
+            if last != shards[0]:
+                continue
+            for scale in GLOBAL_SCALES:
+                got = {s: values.get(f"{prefix}.{s}.{scale}") for s in shards}
+                if all(v is None for v in got.values()) or len({str(v) for v in
+                                                                got.values()}) == 1:
+                    continue
+                fails.append(f"{prefix}.{fused}: vLLM fuses {shards} and keeps the max of "
+                             f"their {scale}, which differ: {got}")
+    return fails
+
+
 def check(folder: Path) -> tuple[dict, list[str]]:
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
@@ -238,10 +277,12 @@ def check(folder: Path) -> tuple[dict, list[str]]:
         return out, [f"{mc.quantization} from_config: {type(e).__name__}: {e}"]
     out["config_class"] = type(qc).__name__
     if qc.get_name().startswith("modelopt"):
-        return out, modelopt(qc, modules, tensors, out)
-    if qc.get_name() == "compressed-tensors":
-        return out, compressed_tensors(qc, modules, tensors, out)
-    return out, [f"vLLM chose {qc.get_name()!r}, which this check does not describe"]
+        fails = modelopt(qc, modules, tensors, out)
+    elif qc.get_name() == "compressed-tensors":
+        fails = compressed_tensors(qc, modules, tensors, out)
+    else:
+        return out, [f"vLLM chose {qc.get_name()!r}, which this check does not describe"]
+    return out, fails + fused_scales(folder, mc, modules, out)
 
 
 def report(out: dict, fails: list[str]) -> None:

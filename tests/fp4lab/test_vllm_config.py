@@ -4,7 +4,8 @@ tests/consumers/vllm_config.py in vLLM's environment (scripts/vllm-venv). vLLM c
 model on a CPU machine, but its config code can; the layers' kernels are not built.
 
 The folders are a tiny Llama (``LlamaForCausalLM``'s config.json written first, fp4lab's
-export extends it): every projection NVFP4, ``lm_head`` BF16. Beside the folders as
+export extends it): every projection NVFP4 (with one amax, as vLLM fuses q/k/v and gate/up
+and keeps one global scale for each fused layer), ``lm_head`` BF16. Beside the folders as
 ``fp4lab.export.save`` writes them, hand-edited copies record which configuration vLLM
 0.33 accepts for the ModelOpt layout, weight-only (W4A16) and W4A4, and why the others fail
 (the vLLM source lines are in each case's note). Skipped where ``.venv-vllm`` is absent
@@ -44,7 +45,11 @@ def _vllm_python() -> Path:
     return py
 
 
-def _weights() -> dict:
+def _weights(shared_amax: bool = True) -> dict:
+    """The tiny Llama's weights, quantized as fp4lab's ``nvfp4`` recipe does. vLLM fuses
+    q/k/v_proj and gate/up_proj into one layer with one global scale, so by default every
+    kernel gets the same amax (8.0, beyond its Gaussian values); ``shared_amax=False``
+    leaves each its own."""
     shapes = {**{f"self_attn/{p}_proj": (HIDDEN, HIDDEN) for p in "qkvo"},
               "mlp/gate_proj": (HIDDEN, INTER), "mlp/up_proj": (HIDDEN, INTER),
               "mlp/down_proj": (INTER, HIDDEN)}
@@ -52,7 +57,10 @@ def _weights() -> dict:
     layer = {}
     for path, shape in shapes.items():
         group, name = path.split("/")
-        layer.setdefault(group, {})[name] = {"kernel": jax.random.normal(next(keys), shape)}
+        kernel = jax.random.normal(next(keys), shape)
+        if shared_amax:
+            kernel = kernel.at[0, 0].set(8.0)
+        layer.setdefault(group, {})[name] = {"kernel": kernel}
     params = {"model": {"embed_tokens": {"embedding": jax.random.normal(next(keys),
                                                                         (VOCAB, HIDDEN))},
                         "norm": {"scale": jnp.ones(HIDDEN)}, "layers": {"0": layer}},
@@ -62,10 +70,10 @@ def _weights() -> dict:
     return export.quantized_weights({"params": params}, policy)
 
 
-def _folder(path: Path, layout: str, **kw) -> Path:
+def _folder(path: Path, layout: str, shared_amax: bool = True, **kw) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(LLAMA))
-    return export.save(_weights(), path, layout, **kw)
+    return export.save(_weights(shared_amax), path, layout, **kw)
 
 
 def _edit(src: Path, dst: Path, hf_quant: dict | None = None,
@@ -139,7 +147,8 @@ def vllm(tmp_path_factory):
     folders = {"nvfp4": _folder(root / "nvfp4", "nvfp4"),
                "modelopt": _folder(root / "modelopt", "nvfp4_modelopt"),
                "modelopt_w4a4": _folder(root / "modelopt_w4a4", "nvfp4_modelopt",
-                                        input_amax=amax)}
+                                        input_amax=amax),
+               "nvfp4_own_amax": _folder(root / "nvfp4_own_amax", "nvfp4", shared_amax=False)}
     for name, (src, hf, qc) in EDITS.items():
         folders[name] = _edit(folders[src], root / name, hf, qc)
     run = subprocess.run([str(python), str(SCRIPT), *map(str, folders.values())], text=True,
@@ -175,6 +184,20 @@ def test_vllm_serves_the_compressed_tensors_folder_weight_only(vllm):
         w = r["modules"][module]["weights"]
         assert (w["num_bits"], w["type"], w["strategy"], w["group_size"]) == \
             (4, "float", "tensor_group", 16)
+
+
+def test_vllm_gives_the_shards_of_a_fused_layer_one_global_scale(vllm):
+    """q/k/v_proj and gate/up_proj, each quantized with its own amax: vLLM's Llama fuses
+    them (packed_modules_mapping) and keeps one global scale, the shards' max
+    (compressed_tensors_w4a4_nvfp4.py:111; ModelOpt: modelopt.py:2093), so the other shards
+    would be dequantized off by the ratio of the amaxes. The check refuses such a folder."""
+    r = vllm["nvfp4_own_amax"]
+    assert not r["ok"]
+    assert r["fused"] == {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                          "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert sorted(f.split(":")[0] for f in r["fails"]) == [
+        "model.layers.0.mlp.gate_up_proj", "model.layers.0.self_attn.qkv_proj"], r["fails"]
+    assert all("weight_global_scale" in f for f in r["fails"])
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
