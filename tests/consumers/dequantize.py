@@ -94,7 +94,7 @@ def nvfp4_modelopt(path: Path) -> dict:
     from compressed_tensors.quantization import QuantizationScheme
 
     hf = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
-    assert hf["quant_algo"] == "NVFP4" and hf["group_size"] == 16, hf
+    assert hf["quant_algo"] in ("NVFP4", "W4A16_NVFP4") and hf["group_size"] == 16, hf
     tensors = load_file(str(path / "model.safetensors"))
     targets = sorted({k.rpartition(".")[0] for k, v in tensors.items()
                       if k.endswith(".weight") and v.dtype == torch.uint8})

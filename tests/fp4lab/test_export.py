@@ -163,6 +163,9 @@ def test_what_a_layout_cannot_hold_is_refused(tmp_path):
         export.save(w, tmp_path / "m", "nvfp4", input_amax={"head/kernel": 1.0})
     with pytest.raises(ValueError, match=r"input_amax names \['norm/scale'\]"):
         export.save(w, tmp_path / "m", "nvfp4_modelopt", input_amax={"norm/scale": 1.0})
+    quantized = sorted(p for p, v in w.items() if isinstance(v, fp4lab.QArray))
+    with pytest.raises(ValueError, match=r"but not for \[" + repr(quantized[1:])[1:-1]):
+        export.save(w, tmp_path / "m", "nvfp4_modelopt", input_amax={quantized[0]: 1.0})
     odd = export.quantized_weights(_params(k_in=48), "q4_0_qat")  # K = 48: 1.5 blocks
     with pytest.raises(ValueError, match="K = 48 is not a whole number of 32-blocks"):
         export.save(odd, tmp_path / "m.gguf", "gguf")
@@ -707,3 +710,29 @@ def test_a_models_config_json_is_extended_not_overwritten(tmp_path, layout):
     with pytest.raises(ValueError, match="is there but is not JSON"):
         export.save(weights, bad, layout)
     assert sorted(p.name for p in bad.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("with_amax", [False, True])
+def test_the_modelopt_layout_says_weight_only_unless_every_activation_scale_is_given(
+        tmp_path, with_amax):
+    """Without activation amaxes the checkpoint is weight-only (``W4A16_NVFP4``, no
+    ``input_scale``); with one per quantized layer it is W4A4 (``NVFP4``). Both files say
+    so, ``kv_cache_quant_algo`` null (tests/fp4lab/test_vllm_config.py runs vLLM's parser)."""
+    w = export.quantized_weights(_params(), "nvfp4")
+    quantized = sorted(p for p, v in w.items() if isinstance(v, fp4lab.QArray))
+    amax = {p: 3.0 for p in quantized} if with_amax else None
+    folder = export.save(w, tmp_path / "m", "nvfp4_modelopt", input_amax=amax)
+    algo = "NVFP4" if with_amax else "W4A16_NVFP4"
+    hf = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
+    assert (hf["quant_algo"], hf["kv_cache_quant_algo"], hf["group_size"]) == (algo, None, 16)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", algo)
+    group = qc["config_groups"]["group_0"]
+    assert len(group["targets"]) == len(quantized)
+    assert (group["input_activations"] is not None) == with_amax
+    tensors, _ = export.read_safetensors(folder / "model.safetensors")
+    scales = [n for n in tensors if n.endswith(".input_scale")]
+    assert len(scales) == (len(quantized) if with_amax else 0)
+    if with_amax:
+        assert all(tensors[n] == np.float32(3.0) / np.float32(2688.0) for n in scales)
+

@@ -78,15 +78,17 @@ def _folder(path: Path, layout: str, shared_amax: bool = True, **kw) -> Path:
 
 def _edit(src: Path, dst: Path, hf_quant: dict | None = None,
           quantization_config: dict | None = None) -> Path:
-    """A copy of ``src`` with its hf_quant_config.json replaced or its config.json given a
-    ``quantization_config``."""
+    """A copy of ``src`` with its hf_quant_config.json replaced (and config.json's
+    ``quantization_config`` taken out, so that vLLM reads the file) or its config.json given
+    another ``quantization_config``."""
     shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
     if hf_quant is not None:
         (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+        config.pop("quantization_config")
     if quantization_config is not None:
-        config = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps({**config, "quantization_config":
-                                                     quantization_config}))
+        config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
@@ -109,18 +111,6 @@ WEIGHT_ONLY_GROUPS = {"group_0": {"targets": ["Linear"], "input_activations": No
                                   "weights": FP4_ARGS}}
 
 
-def _proposed(algo: str) -> tuple[dict, dict]:
-    """What the ModelOpt layout should write (issue 25): hf_quant_config.json (TensorRT-LLM's;
-    vLLM reads it only without a config.json quantization_config) with kv_cache_quant_algo,
-    and config.json's quantization_config as ModelOpt's converter writes it, targets named."""
-    groups = {"group_0": {"targets": PROJECTIONS, "weights": FP4_ARGS,
-                          "input_activations": FP4_ARGS if algo == "NVFP4" else None}}
-    producer = {"name": "fp4lab", "version": "0.1.0"}
-    hf = {"producer": producer, "quantization": {
-        "quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
-        "exclude_modules": ["lm_head"]}}
-    return hf, {**_config(algo, config_groups=groups), "producer": producer}
-
 # name: (source folder, hf_quant_config.json, config.json quantization_config)
 EDITS = {
     "legacy_no_kv_cache_quant_algo": ("modelopt", _legacy("NVFP4", kv=False), None),
@@ -133,8 +123,6 @@ EDITS = {
     "config_nvfp4_input_scale": ("modelopt_w4a4", None, _config("NVFP4")),
     "config_nvfp4": ("modelopt", None, _config("NVFP4")),
     "config_w4a16_nvfp4_input_scale": ("modelopt_w4a4", None, _config("W4A16_NVFP4")),
-    "proposed_w4a16": ("modelopt", *_proposed("W4A16_NVFP4")),
-    "proposed_w4a4": ("modelopt_w4a4", *_proposed("NVFP4")),
 }
 
 
@@ -200,16 +188,12 @@ def test_vllm_gives_the_shards_of_a_fused_layer_one_global_scale(vllm):
     assert all("weight_global_scale" in f for f in r["fails"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 25: hf_quant_config.json says producer.name fp4lab and config.json has no "
-    "quantization_config, so vLLM 0.33 finds no method (model_arch_config_convertor.py:"
-    "249-255 sets quant_method only for producer modelopt) and would load the uint8 "
-    "weights as an unquantized model; the fix: write what proposed_w4a16 / proposed_w4a4 "
-    "below hold (then remove this mark)"))
-@pytest.mark.parametrize("name", ["modelopt", "modelopt_w4a4"])
-def test_vllm_serves_the_modelopt_folder(vllm, name):
-    r = vllm[name]
-    assert r["quantization"] == "modelopt_fp4" and r["ok"], r
+@pytest.mark.parametrize("name, mode", [("modelopt", "W4A16"), ("modelopt_w4a4", "W4A4")])
+def test_vllm_serves_the_modelopt_folder(vllm, name, mode):
+    """The layout as fp4lab writes it: weight-only (``W4A16_NVFP4``) without activation
+    amaxes, W4A4 (``NVFP4``, ``input_scale``) with them; config.json's ModelOpt
+    ``quantization_config`` is what vLLM reads."""
+    _assert_serves(vllm[name], mode)
 
 
 # name: (what vLLM 0.33 decides: None if it fails, else the activation's QuantKey is
@@ -228,8 +212,6 @@ ACCEPTS = {
     "config_nvfp4_input_scale": ("W4A4", None, ""),
     "config_nvfp4": (None, "input_scale", "as legacy_nvfp4"),
     "config_w4a16_nvfp4_input_scale": ("W4A16", None, "_DropInputScale, modelopt.py:2532"),
-    "proposed_w4a16": ("W4A16", None, ""),
-    "proposed_w4a4": ("W4A4", None, ""),
 }
 
 
@@ -243,6 +225,10 @@ def test_what_vllm_accepts_for_the_modelopt_layout(vllm, name):
     if mode is None:
         assert not r["ok"] and any(failure in f for f in r["fails"]), r
         return
+    _assert_serves(r, mode)
+
+
+def _assert_serves(r: dict, mode: str) -> None:
     assert r["ok"], r["fails"]
     assert r["quantization"] == "modelopt_fp4"
     assert r["quant_algo"] == ("NVFP4" if mode == "W4A4" else "W4A16_NVFP4")
