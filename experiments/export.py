@@ -9,6 +9,13 @@ did, and written in ``--layout``: ``gguf`` (Q4_0 / Q8_0 for llama.cpp), ``mxfp4`
 gpt-oss layout transformers loads), ``nvfp4`` (compressed-tensors, vLLM) or
 ``nvfp4_modelopt`` (TensorRT-LLM). docs/export.md describes every layout. A mistake (an
 ``--out`` of the wrong kind, a missing run, the ``export`` extra not installed) is one line.
+
+A GGUF file is the model as llama.cpp's ``nemotron_h`` architecture, which llama.cpp runs
+(``experiments.engines``: its tensor names, keys and vocabulary; the MTP head left out, and
+the command says so). A model with an option llama.cpp cannot compute (``residual_gate``,
+``residual_format``, ...) is refused, naming it, before anything is written; ``--gguf-arch
+fp4lab`` then writes its tensors under fp4lab's names, a file llama.cpp's gguf tools read
+but no engine runs as a model (the command says that too).
 """
 
 from __future__ import annotations
@@ -16,38 +23,67 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import policies
+from experiments import engines, policies
 from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.rollout import token_log_probs
 from experiments.runs import load_run, validation_tokens
 from fp4lab import export as fp4lab_export
 from fp4lab.flax import quantize_model
+from fp4lab.policy import policy_to_dict
 
-__all__ = ["export_run", "validation_loss", "with_weights", "main"]
+__all__ = ["export_run", "validation_logits", "validation_loss", "with_weights", "main",
+           "GGUF_ARCHS"]
+
+GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
 
 
-def export_run(workdir, layout: str, out, *, policy: str | None = None):
+def export_run(workdir, layout: str, out, *, policy: str | None = None,
+               gguf_arch: str = engines.ARCH):
     """Write the run in ``workdir`` as ``layout`` to ``out``, each layer as the run's model
     computes it under its policy (or ``policy``): from the quantized model's record of its
-    forward pass (recipe and compute dtype per GEMM). Returns the path."""
+    forward pass (recipe and compute dtype per GEMM). A GGUF file is llama.cpp's
+    ``nemotron_h`` model (``gguf_arch``, the default: ``experiments.engines``; a model
+    llama.cpp cannot run is refused, naming the option, before anything is written), or
+    with ``gguf_arch="fp4lab"`` the tensors under fp4lab's names, which no engine runs as a
+    model. Returns the path."""
+    return _export(load_run(workdir), layout, out, policy=policy, gguf_arch=gguf_arch)
+
+
+def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
     from experiments.step import model_config
 
-    run = load_run(workdir)
+    if gguf_arch not in GGUF_ARCHS:
+        raise ValueError(f"gguf_arch={gguf_arch!r}: use one of {GGUF_ARCHS}")
+    cfg = model_config(run.config, run.data)
+    engine = layout == "gguf" and gguf_arch == engines.ARCH
+    if engine:
+        engines.check_nemotron_h(cfg)
     name = policy or run.config.precision.policy
-    model = quantize_model(HybridLM(model_config(run.config, run.data)), policies.get(name))
+    model = quantize_model(HybridLM(cfg), policies.get(name))
     inputs, _ = validation_tokens(run.config, run.data, 1)
     record = model.assignments({"params": run.params}, inputs,
                                rngs={"quant": jax.random.key(0)})
-    return fp4lab_export.export(
-        {"params": run.params}, record, out, layout,
-        metadata={"run": Path(workdir).name, "policy_name": name, "seed": run.config.seed})
+    meta = {"run": run.workdir.name, "policy_name": name, "seed": run.config.seed}
+    if not engine:
+        return fp4lab_export.export({"params": run.params}, record, out, layout, metadata=meta)
+    weights = fp4lab_export.quantized_weights({"params": run.params}, record)
+    tensors, names = engines.nemotron_h_tensors(weights, cfg)
+    try:
+        recorded = policy_to_dict(record.policy)
+    except ValueError:  # a recipe outside the registry: its name
+        recorded = {"name": record.policy.name}
+    meta |= {"policy": recorded, "general.name": run.workdir.name,
+             "mtp_head": "left out" if cfg.mtp else "none",
+             **engines.nemotron_h_metadata(cfg, context_length=run.config.data.seq_len),
+             **engines.tokenizer_metadata(run.data, cfg.vocab)}
+    return fp4lab_export.save(tensors, out, "gguf", names=names.__getitem__, metadata=meta,
+                              arch=engines.ARCH)
 
 
 def with_weights(params, weights: dict[str, np.ndarray]) -> dict:
@@ -68,10 +104,12 @@ def with_weights(params, weights: dict[str, np.ndarray]) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 2) -> float:
-    """The mean next-token loss on ``batches`` validation batches of the run's model under
-    ``policy`` (a name of ``experiments.policies`` or a PrecisionPolicy), in ``dtype``
-    (default: the run's compute dtype)."""
+def validation_logits(config, params, data, policy, *, dtype=None, batches: int = 2
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(inputs, targets, logits)`` of ``batches`` validation batches
+    (:func:`experiments.runs.validation_tokens`) for the run's model under ``policy`` (a name
+    of ``experiments.policies`` or a PrecisionPolicy), in ``dtype`` (default: the run's
+    compute dtype); float32 logits ``[windows, seq_len, vocab]``."""
     from experiments.step import model_config
 
     cfg = model_config(config, data)
@@ -82,6 +120,13 @@ def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 
     inputs, targets = validation_tokens(config, data, batches)
     logits = jax.jit(lambda p, t: model.apply({"params": p}, t, rngs={
         "quant": jax.random.key(0)})[0])(params, inputs)
+    return inputs, targets, logits
+
+
+def validation_loss(config, params, data, policy, *, dtype=None, batches: int = 2) -> float:
+    """The mean next-token loss of :func:`validation_logits`."""
+    _, targets, logits = validation_logits(config, params, data, policy, dtype=dtype,
+                                           batches=batches)
     return -float(jnp.mean(token_log_probs(logits, targets)))
 
 
@@ -93,13 +138,23 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", required=True, choices=fp4lab_export.LAYOUTS)
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
     ap.add_argument("--policy", default=None, help="instead of the run's own policy")
+    ap.add_argument("--gguf-arch", default=engines.ARCH, choices=GGUF_ARCHS,
+                    help=f"gguf: {engines.ARCH} (llama.cpp runs it; default) or fp4lab (the "
+                    "tensors under fp4lab's names, which no engine runs as a model)")
     args = ap.parse_args(argv)
+    from experiments.step import model_config
+
+    run = load_run(args.run)
     try:
-        path = export_run(args.run, args.layout, args.out, policy=args.policy)
+        path = _export(run, args.layout, args.out, policy=args.policy,
+                       gguf_arch=args.gguf_arch)
     except ImportError as e:  # the export extra (other mistakes: experiments.cli)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({args.layout})")
+    if args.layout == "gguf":
+        for line in engines.notes(model_config(run.config, run.data), args.gguf_arch):
+            print(f"  {line}")
     return 0
 
 
