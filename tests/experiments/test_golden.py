@@ -8,11 +8,13 @@ the change is meant), then the numbers below regenerated with
     .venv/bin/python tests/experiments/test_golden.py
 
 which prints the ``GOLDEN`` dict to paste here. They are XLA:CPU's numbers (the suite's
-platform); another backend or CPU may round differently."""
+platform); another backend may round differently, and another CPU sums the gradient norm in
+another order (``GRAD_NORM_RTOL``)."""
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # policy -> [(loss, grad_norm) of step 0, of step 1]: float32 values, written exactly
@@ -31,6 +33,11 @@ GOLDEN = {
 }
 
 POLICIES = ("bf16", "nvfp4", "mxfp8", "fp8_hybrid", "fp8_delayed")
+# The losses are pinned bit for bit (step 1's loss depends on every bit of step 0's update);
+# the gradient norm, a float32 sum of ~1e5 squares, is summed in another order by XLA:CPU on
+# another CPU: on an AMX Xeon (avx512_bf16, amx_bf16) the step-0 norms differ from the ones
+# generated here by up to 1.04e-4 relative (MXFP8), the losses not at all.
+GRAD_NORM_RTOL = 5e-4
 
 
 def first_steps(policy: str, text, steps: int = 2,
@@ -71,9 +78,11 @@ def first_steps(policy: str, text, steps: int = 2,
 @pytest.mark.parametrize("policy", POLICIES)
 def test_first_steps_are_the_golden_numbers(policy, text, tiny):
     got = first_steps(policy, text, cache=tiny.compile_cache)
-    assert got == [tuple(p) for p in GOLDEN[policy]], (
-        f"{policy}: the numerics changed to {got}; explain why, then regenerate (module "
-        "docstring)")
+    message = (f"{policy}: the numerics changed to {got}; explain why, then regenerate "
+               "(module docstring)")
+    assert [loss for loss, _ in got] == [loss for loss, _ in GOLDEN[policy]], message
+    np.testing.assert_allclose([g for _, g in got], [g for _, g in GOLDEN[policy]],
+                               rtol=GRAD_NORM_RTOL, err_msg=message)
 
 
 def test_golden_numbers_tell_the_recipes_apart():
