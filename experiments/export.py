@@ -1,21 +1,25 @@
-"""A trained run's weights as a checkpoint an inference engine loads (``fp4lab.export``).
+"""A trained run as a checkpoint an inference engine runs as a model.
 
     python -m experiments.export --run results/sweep/runs/q4_0_qat --layout gguf \
         --out results/export/q4_0.gguf [--policy all:q8_0_qat]
 
-The run's last checkpoint is quantized under its own policy (``precision.policy``, or
-``--policy``), each kernel cast to the model's compute dtype first, as the training forward
-did, and written in ``--layout``: ``gguf`` (Q4_0 / Q8_0 for llama.cpp), ``mxfp4`` (the
-gpt-oss layout transformers loads), ``nvfp4`` (compressed-tensors, vLLM) or
-``nvfp4_modelopt`` (TensorRT-LLM). docs/export.md describes every layout. A mistake (an
-``--out`` of the wrong kind, a missing run, the ``export`` extra not installed) is one line.
+The run's last checkpoint, each kernel as the run's model computes it under its policy
+(``precision.policy``, or ``--policy``; read from the quantized model's record of its forward
+pass: recipe and compute dtype per GEMM), written in ``--layout``:
 
-A GGUF file is the model as llama.cpp's ``nemotron_h`` architecture, which llama.cpp runs
-(``experiments.engines``: its tensor names, keys and vocabulary; the MTP head left out, and
-the command says so). A model with an option llama.cpp cannot compute (``residual_gate``,
-``residual_format``, ...) is refused, naming it, before anything is written; ``--gguf-arch
-fp4lab`` then writes its tensors under fp4lab's names, a file llama.cpp's gguf tools read
-but no engine runs as a model (the command says that too).
+* ``gguf``: llama.cpp's ``nemotron_h`` (``experiments.engines``: tensor names, keys and
+  vocabulary; weights F32/F16/BF16, Q8_0, Q4_0, MXFP4 or NVFP4 as the policy gives them);
+* ``bf16``, ``nvfp4`` (compressed-tensors), ``nvfp4_modelopt`` (ModelOpt, weight-only): a
+  transformers ``NemotronHForCausalLM`` folder (``experiments.hf_nemotron_h``);
+* ``mxfp4`` is refused: gpt-oss's MXFP4 safetensors are loaded by transformers and vLLM for
+  MoE expert stacks only, and the hybrid LM has none (llama.cpp's MXFP4 is in ``gguf``).
+
+The multi-token-prediction head is left out, and the command says so. A model with an option
+the engine cannot compute (``residual_gate``, ``residual_format``, ...) is refused, naming
+it, before anything is written; ``--gguf-arch fp4lab`` then writes its tensors under fp4lab's
+names, a file llama.cpp's gguf tools read but no engine runs as a model (the command says that
+too). A mistake (an ``--out`` of the wrong kind, a missing run, the ``export`` extra not
+installed) is one line. docs/export.md describes every layout.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import engines, policies
+from experiments import engines, hf_nemotron_h, policies
 from experiments.cli import command
 from experiments.model import HybridLM
 from experiments.rollout import token_log_probs
@@ -41,6 +45,13 @@ __all__ = ["export_run", "validation_logits", "validation_loss", "with_weights",
            "GGUF_ARCHS"]
 
 GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
+# what the command writes: llama.cpp's nemotron_h GGUF; NemotronHForCausalLM folders in BF16,
+# compressed-tensors NVFP4 or ModelOpt NVFP4; mxfp4 is refused (NO_DENSE_MXFP4)
+LAYOUTS = ("gguf", "bf16", "nvfp4", "nvfp4_modelopt", "mxfp4")
+NO_DENSE_MXFP4 = (
+    "layout 'mxfp4' (gpt-oss's MXFP4 safetensors): transformers and vLLM load MXFP4 only for "
+    "MoE expert stacks, and the hybrid LM has none, so no engine would run this folder; for "
+    "MXFP4 weights use --layout gguf (llama.cpp's MXFP4 type)")
 
 
 def export_run(workdir, layout: str, out, *, policy: str | None = None,
@@ -60,18 +71,40 @@ def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
 
     if gguf_arch not in GGUF_ARCHS:
         raise ValueError(f"gguf_arch={gguf_arch!r}: use one of {GGUF_ARCHS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     cfg = model_config(run.config, run.data)
-    engine = layout == "gguf" and gguf_arch == engines.ARCH
-    if engine:
+    generic = layout == "gguf" and gguf_arch == "fp4lab"
+    if layout == "mxfp4":
+        raise ValueError(NO_DENSE_MXFP4)
+    if layout == "gguf" and not generic:
         engines.check_nemotron_h(cfg)
-    name = policy or run.config.precision.policy
+    elif not generic:
+        hf_nemotron_h.check_expressible(cfg)
+        if layout != "gguf":
+            hf_nemotron_h.check_output(out)  # a wrong path fails before the work
+    meta = {"run": run.workdir.name, "policy_name": policy or run.config.precision.policy,
+            "seed": run.config.seed}
+    kw = dict(max_positions=run.config.data.seq_len, metadata=meta)
+    if layout == "bf16":
+        return hf_nemotron_h.write_bf16(run.params, cfg, out, **kw)
+    record = _record(run, cfg, meta["policy_name"])
+    if generic:
+        return fp4lab_export.export({"params": run.params}, record, out, layout, metadata=meta)
+    if layout != "gguf":
+        return hf_nemotron_h.write_nvfp4(run.params, record, cfg, out, layout=layout, **kw)
+    return _save_nemotron_h_gguf(run, cfg, record, out, meta)
+
+
+def _record(run, cfg, name: str):
+    """The quantized model's record of its forward pass under the policy ``name``."""
     model = quantize_model(HybridLM(cfg), policies.get(name))
     inputs, _ = validation_tokens(run.config, run.data, 1)
-    record = model.assignments({"params": run.params}, inputs,
-                               rngs={"quant": jax.random.key(0)})
-    meta = {"run": run.workdir.name, "policy_name": name, "seed": run.config.seed}
-    if not engine:
-        return fp4lab_export.export({"params": run.params}, record, out, layout, metadata=meta)
+    return model.assignments({"params": run.params}, inputs,
+                             rngs={"quant": jax.random.key(0)})
+
+
+def _save_nemotron_h_gguf(run, cfg, record, out, meta: dict):
     weights = fp4lab_export.quantized_weights({"params": run.params}, record)
     tensors, names = engines.nemotron_h_tensors(weights, cfg)
     try:
@@ -135,7 +168,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Export a trained run's quantized weights for "
                                  "an inference engine.")
     ap.add_argument("--run", required=True, help="a finished run's folder")
-    ap.add_argument("--layout", required=True, choices=fp4lab_export.LAYOUTS)
+    ap.add_argument("--layout", required=True, choices=LAYOUTS,
+                    help="gguf: llama.cpp's nemotron_h; bf16, nvfp4 (compressed-tensors), "
+                    "nvfp4_modelopt: transformers' NemotronHForCausalLM folder")
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
     ap.add_argument("--policy", default=None, help="instead of the run's own policy")
     ap.add_argument("--gguf-arch", default=engines.ARCH, choices=GGUF_ARCHS,

@@ -1,12 +1,10 @@
 """A hybrid-LM run as transformers' ``NemotronHForCausalLM`` (``models/nemotron_h``, checked
 with transformers 5.24): a folder of ``config.json`` and ``model.safetensors`` that
 ``NemotronHForCausalLM.from_pretrained`` loads, with BF16 weights or as a compressed-tensors
-NVFP4 checkpoint (``fp4lab.export``'s ``nvfp4`` layout).
+NVFP4 checkpoint (``fp4lab.export``'s ``nvfp4`` layout, or ModelOpt's ``nvfp4_modelopt``);
+``python -m experiments.export --layout bf16 | nvfp4 | nvfp4_modelopt`` writes one.
 
-    python -m experiments.hf_nemotron_h --run RUN --out DIR [--weights bf16|nvfp4] \
-        [--policy P]
-
-``--weights bf16``: every parameter cast to BF16. ``--weights nvfp4``: each kernel quantized
+BF16: every parameter cast to BF16. NVFP4: each kernel quantized
 as the run's model computes it under its policy (or ``--policy``; the quantized model's
 record: recipe and compute dtype per GEMM, as ``experiments.export`` does), written by
 ``fp4lab.export.save(..., "nvfp4", names=hf_name)`` into the folder whose ``config.json``
@@ -79,8 +77,6 @@ do not change the forward pass and are accepted.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import re
 import shutil
@@ -92,16 +88,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from experiments import policies
-from experiments.cli import command
-from experiments.model import HybridLM, ModelConfig, RMSNorm
+from experiments.model import ModelConfig, RMSNorm
 from fp4lab import QArray, dequantize, quantize
 
 __all__ = ["UNSUPPORTED", "HF_BLOCKS", "check_expressible", "hf_config", "hf_name",
-           "hf_layout", "write_bf16", "write_nvfp4", "export_hf", "main"]
+           "hf_layout", "write_bf16", "write_nvfp4", "check_output"]
 
 HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}  # 5.24's names
-WEIGHTS = ("bf16", "nvfp4")
 
 # option -> (is the forward NemotronH cannot compute?, why)
 UNSUPPORTED = {
@@ -210,15 +203,21 @@ def _flat(params) -> dict[str, np.ndarray]:
             for p, v in flat}
 
 
+def check_output(out) -> Path:
+    """``out`` as a Path, refused (before any work) unless it is a new or empty folder."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output folder {str(out)!r} exists and is not an empty folder; "
+                         "choose a new one")
+    return out
+
+
 class _Folder:
     """``out`` written under a temporary name beside it and renamed once complete; an
     ``out`` that exists and is not an empty folder is refused before anything is written."""
 
     def __init__(self, out):
-        self.out = Path(out)
-        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
-            raise ValueError(f"output folder {str(self.out)!r} exists and is not an empty "
-                             "folder; choose a new one")
+        self.out = check_output(out)
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -305,11 +304,11 @@ def _requantize_thirds(record: dict, params_flat: dict):
 
 
 def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
-                metadata: dict | None = None) -> Path:
-    """Write ``params`` to the folder ``out`` as a compressed-tensors NVFP4 NemotronH
-    checkpoint: :func:`hf_config`'s ``config.json`` first, then
-    ``fp4lab.export.save(..., "nvfp4", names=hf_name)``, which extends it with
-    ``quantization_config``. ``record``: the quantized model's assignments
+                metadata: dict | None = None, layout: str = "nvfp4") -> Path:
+    """Write ``params`` to the folder ``out`` as an NVFP4 NemotronH checkpoint in ``layout``
+    (``nvfp4``: compressed-tensors; ``nvfp4_modelopt``: ModelOpt's, weight-only):
+    :func:`hf_config`'s ``config.json`` first, then ``fp4lab.export.save(..., layout,
+    names=hf_name)``, which extends it with ``quantization_config``. ``record``: the quantized model's assignments
     (``QuantizedLinen.assignments``), what each kernel's forward GEMM did. Returns ``out``."""
     from fp4lab import export
 
@@ -318,49 +317,7 @@ def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
     weights = export.quantized_weights({"params": params}, record)
     laid = hf_layout(weights, cfg, split=_requantize_thirds({a.path: a for a in record}, flat))
     with _Folder(out) as tmp:
-        meta = _meta(cfg, "nvfp4", metadata)
+        meta = _meta(cfg, layout, metadata)
         _write_config(tmp, cfg, max_positions, meta)  # save extends it (its fp4lab: meta)
-        export.save(laid, tmp, "nvfp4", names=hf_name, metadata=meta)
+        export.save(laid, tmp, layout, names=hf_name, metadata=meta)
     return Path(out)
-
-
-def export_hf(workdir, out, *, weights: str = "bf16", policy: str | None = None) -> Path:
-    """The run in ``workdir`` as a NemotronH folder ``out``: ``weights`` ``bf16`` or
-    ``nvfp4`` (each kernel as the run's model computes it under its policy, or
-    ``policy``)."""
-    from experiments.runs import load_run, validation_tokens
-    from experiments.step import model_config
-    from fp4lab.flax import quantize_model
-
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights={weights!r}: use one of {WEIGHTS}")
-    run = load_run(workdir)
-    cfg = model_config(run.config, run.data)
-    check_expressible(cfg)
-    name = policy or run.config.precision.policy
-    meta = {"run": Path(workdir).name, "policy_name": name, "seed": run.config.seed}
-    kw = dict(max_positions=run.config.data.seq_len, metadata=meta)
-    if weights == "bf16":
-        return write_bf16(run.params, cfg, out, **kw)
-    inputs, _ = validation_tokens(run.config, run.data, 1)
-    record = quantize_model(HybridLM(cfg), policies.get(name)).assignments(
-        {"params": run.params}, inputs, rngs={"quant": jax.random.key(0)})
-    return write_nvfp4(run.params, record, cfg, out, **kw)
-
-
-@command
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Write a trained run as transformers' "
-                                 "NemotronHForCausalLM (BF16 or compressed-tensors NVFP4).")
-    ap.add_argument("--run", required=True, help="a finished run's folder")
-    ap.add_argument("--out", required=True, help="a new folder")
-    ap.add_argument("--weights", default="bf16", choices=WEIGHTS)
-    ap.add_argument("--policy", default=None, help="nvfp4: instead of the run's own policy")
-    args = ap.parse_args(argv)
-    path = export_hf(args.run, args.out, weights=args.weights, policy=args.policy)
-    print(f"wrote {path} (NemotronHForCausalLM, {args.weights})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

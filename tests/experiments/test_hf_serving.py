@@ -27,9 +27,9 @@ import pytest
 from environments import CONSUMERS, python_of
 
 from experiments import policies
-from experiments.export import with_weights
-from experiments.hf_nemotron_h import (check_expressible, export_hf, hf_layout,
-                                       hf_name, main, write_bf16)
+from experiments.export import export_run, main, with_weights
+from experiments.hf_nemotron_h import (check_expressible, hf_layout,
+                                       hf_name, write_bf16)
 from experiments.model import HybridLM, ModelConfig
 from experiments.rollout import token_log_probs
 from experiments.runs import load_run, validation_tokens
@@ -65,7 +65,7 @@ def served(train_tiny, tmp_path_factory):
     np.save(tmp / "tokens.npy", np.asarray(inputs))
     args = [str(tmp / "tokens.npy")]
     for weights in ("bf16", "nvfp4"):
-        args += [str(export_hf(folder, tmp / weights, weights=weights)),
+        args += [str(export_run(folder, weights, tmp / weights)),
                  str(tmp / f"{weights}.npz")]
     done = subprocess.run([str(python_of(CONSUMERS)), str(ROOT / "tests" / "consumers" /
                                                           "hf_eval.py"), *args],
@@ -158,11 +158,11 @@ def test_transformers_serves_the_nvfp4_checkpoint_with_fp4labs_logits(served):
 def test_the_command_writes_a_folder_and_refuses_a_used_one_in_one_line(served, tmp_path,
                                                                         capsys):
     folder = served[0]
-    assert main(["--run", str(folder), "--out", str(tmp_path / "cli")]) == 0
+    assert main(["--run", str(folder), "--layout", "bf16", "--out", str(tmp_path / "cli")]) == 0
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json",
                                                                     "model.safetensors"]
     assert main(["--run", str(folder), "--out", str(tmp_path / "cli"),
-                 "--weights", "nvfp4"]) == 2
+                 "--layout", "nvfp4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: output folder") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]  # no temporary left

@@ -118,18 +118,21 @@ def test_the_same_model_served_by_transformers_and_compressed_tensors(
 
 @pytest.mark.slow
 def test_the_export_command_says_a_wrong_output_path_in_one_line(qat_run, tmp_path, capsys):
-    """--out a folder for GGUF, or a file for a folder layout: one line, no traceback."""
+    """--out a folder for GGUF, a file for a folder layout, or MXFP4 safetensors (which no
+    engine runs for a dense model): one line, no traceback, nothing written."""
     from experiments.export import main
 
     (tmp_path / "file").write_text("x")
     for layout, policy, out, message in (
             ("gguf", "all:q4_0_qat", tmp_path, "and this is a folder"),
-            ("nvfp4", "all:nvfp4", tmp_path / "file", "is a file; the nvfp4 layout writes")):
+            ("nvfp4", "all:nvfp4", tmp_path / "file", "exists and is not an empty folder"),
+            ("mxfp4", "all:mxfp4_weights", tmp_path / "mx", "MoE expert stacks")):
         assert main(["--run", str(qat_run), "--layout", layout, "--policy", policy,
                      "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: output path") and message in err, err
+        assert err.startswith("error: ") and message in err, err
         assert err.count("\n") == 1
+    assert not (tmp_path / "mx").exists()
 
 
 # llama.cpp's nemotron_h (experiments.engines): the run exported under each policy, its GGML
