@@ -291,6 +291,10 @@ def _cmd_export(args) -> int:
     out = export.export(load_params(args.params), args.policy, args.out, args.layout,
                         compute_dtype=dtype)
     print(f"wrote {out} ({args.layout}, policy {args.policy})")
+    print("  its tensors under fp4lab's names, with no model architecture: no engine runs this "
+          "file as a model (fp4lab.export.load and the engines' tensor readers read it; "
+          "experiments.export writes the hybrid LM as llama.cpp's nemotron_h and "
+          "transformers' NemotronHForCausalLM)")
     return 0
 
 
