@@ -219,6 +219,10 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         _block("nvfp4", E2M1, scaling.NVFP4Scale(), 16, "NVIDIA Transformer Engine NVFP4"),
+        _block("nvfp4_4over6", E2M1, scaling.FourOverSixScale(), 16,
+               "Four Over Six (arXiv 2512.02010), Transformer Engine's 4over6 (MAE, E 256)"),
+        _block("nvfp4_4over6_mse", E2M1, scaling.FourOverSixScale(error="mse"), 16,
+               "Four Over Six, the authors' MSE choice (Transformer Engine arithmetic, E 256)"),
         _block("mxfp8", E4M3, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),
         _block("mxfp8_e5m2", E5M2, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),
         _block("mxfp4", E2M1, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),

@@ -200,6 +200,9 @@ def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
         if key is None:
             raise ValueError("rounding='stochastic' needs an explicit PRNG key: key=...")
         check_key(key)
+        if not fmt.scaling.stochastic_ok:
+            raise ValueError(f"rounding='stochastic' is not supported for format {fmt.name}: "
+                             "its choice of block scale assumes rounding to nearest")
         if fmt.is_passthrough and fmt.element.name not in ("bf16", "fp16"):
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
                              f"{fmt.name} (only bf16 and fp16)")
@@ -239,7 +242,7 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
         tensor_amax = global_amax if global_amax is not None else rnd.abs_max(stat)
     elif global_amax is not None:  # per-tensor scaling with a given amax
         stat = jnp.broadcast_to(global_amax, stat.shape)
-    scale, mult = scheme.encode(stat, tensor_amax, elem)
+    scale, mult = scheme.encode_blocks(xb, stat, tensor_amax, elem, g.reduce_axes)
     v = xb * mult
     if rounding == "stochastic":
         q = rnd.round_stochastic(v, elem, rnd.uniform(key, v.shape))

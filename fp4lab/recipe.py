@@ -189,6 +189,13 @@ def _nvfp4(name, *, rht=16, sr=True, weight_tile=(16, 16), follows=""):
     )
 
 
+def _four_over_six(name, fmt, *, follows):
+    w = _op(fmt, tile=(16, 16))
+    dy = _op("nvfp4", rounding="stochastic")
+    return Recipe(name=name, fprop_x=_op(fmt), fprop_w=w, dgrad_dy=dy, dgrad_w=w,
+                  wgrad_x=_op(fmt), wgrad_dy=dy, follows=follows)
+
+
 def _qat(name, w, x="bf16", w_tile=None, follows=""):
     return Recipe(name=name, fprop_x=_op(x), fprop_w=_op(w, tile=w_tile), backward="ste",
                   follows=follows)
@@ -227,6 +234,15 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                 "later releases; here they are plain float32)",
     ),
     _uniform("mxfp8", "mxfp8", "MXFP8 pre-training recipe: E4M3 everywhere, RCEIL scales"),
+    _uniform("mxfp8_floor", "mxfp8_floor", "MXFP8 with OCP FLOOR scales (torchao's to_mx "
+             "default, torchtitan's mxfp8_cublas before 2026-03), which arXiv 2506.08027 saw "
+             "diverge at 8B / 15T tokens where RCEIL (mxfp8) matched BF16"),
+    _four_over_six("nvfp4_4over6", "nvfp4_4over6",
+                   follows="Four Over Six (arXiv 2512.02010) as Transformer Engine trains it "
+                   "(NVTE_NVFP4_4OVER6=all, MAE): 4/6 block scales with E 256 on X and W, "
+                   "1D X, 16x16 W, no RHT; gradients plain NVFP4 with SR"),
+    _four_over_six("nvfp4_4over6_mse", "nvfp4_4over6_mse",
+                   follows="nvfp4_4over6 with the authors' MSE choice of map-to-4"),
     Recipe(
         name="mxfp4",
         fprop_x=_op("mxfp4"), fprop_w=_op("mxfp4"),

@@ -40,6 +40,7 @@ __all__ = [
     "NoScale",
     "AbsMaxScale",
     "NVFP4Scale",
+    "FourOverSixScale",
     "PowerOfTwoScale",
     "CeilPowerOfTwoScale",
     "GGMLQ4_0Scale",
@@ -63,12 +64,18 @@ class ScaleScheme:
     scale_name = "fp32"  # the scale's number format, for tables
     scale_bits = 32
     uses_tensor_amax = False  # True when a per-tensor amax enters the block scales (NVFP4)
+    stochastic_ok = True  # False: the scheme's choice of scale assumes rounding to nearest
 
     def statistic(self, xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         return rounding.abs_max(xb, axis=axes, keepdims=True)
 
     def encode(self, stat, tensor_amax, element):
         raise NotImplementedError
+
+    def encode_blocks(self, xb, stat, tensor_amax, element, axes: tuple[int, ...]):
+        """:meth:`encode` for schemes whose choice of scale looks at the block's elements
+        (``xb``, blocked over ``axes``), not only at its statistic; most look only there."""
+        return self.encode(stat, tensor_amax, element)
 
     def decode(self, scale, tensor_amax, element) -> tuple[jax.Array, ...]:
         raise NotImplementedError
@@ -154,6 +161,92 @@ class NVFP4Scale(ScaleScheme):
         s = scale.astype(jnp.float32)
         m = (s * tensor_amax) * _f32_div(1, 2688)
         return (jnp.where(tensor_amax == 0, s, m),)
+
+
+@dataclasses.dataclass(frozen=True)
+class FourOverSixScale(ScaleScheme):
+    """NVFP4 with Four Over Six block scaling (arXiv 2512.02010), bit-exact with Transformer
+    Engine's 4over6 quantizer (``quantize_4over6_nvfp4.cuh``, NVIDIA/TransformerEngine
+    d0067d0; docs/numerics.md): each block is quantized twice, its amax mapped to 6 and to 4,
+    and keeps the candidate with the smaller error::
+
+        S_enc = min(fl(6E / amax), FLT_MAX); S_enc = 1 if amax == 0 or S_enc == 0
+        S_dec = fl(1 / S_enc);  base = fl(fl(bamax / 6) * S_enc)       (a true division)
+        s6 = e4m3_satfinite(min(base, 448)),  s4 = e4m3_satfinite(min(fl(base * 1.5), 448))
+        enc_c = min(fl(1 / fl(s_c * S_dec)), FLT_MAX);  q_c = rne_e2m1(fl(x * enc_c))
+        err_c = sum over the block, in element order, of |d| (mae) or fl(d * d) (mse),
+                d = fl(fl(fl(fl(q_c * s_c) * amax) / 6E) - x)
+        keep 4 if err_4 < err_6 (ties and NaN: 6);  y = q * fl(fl(s * amax) * fl(1/6E))
+
+    ``E`` is ``e4m3_max`` (256: TE's default for 4/6, room for the 1.5x of map-to-4; 448 as
+    plain NVFP4). A 16x16 tile sums each line along the block axis in element order, then the
+    16 line sums by TE's warp tree (``e_i + e_{i+8}``, then 4, 2, 1). Rounding to nearest
+    only (TE refuses stochastic rounding with 4/6). NaN and Inf as :class:`NVFP4Scale`."""
+
+    e4m3_max: int = 256
+    error: Literal["mae", "mse"] = "mae"
+
+    scale_dtype = "float8_e4m3fn"
+    scale_name = "e4m3"
+    scale_bits = 8
+    uses_tensor_amax = True
+    stochastic_ok = False
+
+    def __post_init__(self):
+        if self.e4m3_max not in (256, 448):
+            raise ValueError(f"e4m3_max={self.e4m3_max!r}: use 256 (4/6's default) or 448")
+        if self.error not in ("mae", "mse"):
+            raise ValueError(f"error={self.error!r}: use 'mae' (TE's default) or 'mse'")
+
+    def encode(self, stat, tensor_amax, element):
+        raise TypeError("Four Over Six chooses each block's scale from its elements: "
+                        "quantize through fp4lab.quantize (encode_blocks)")
+
+    def encode_blocks(self, xb, stat, tensor_amax, element, axes):
+        six_e = F32(6 * self.e4m3_max)
+        s_enc = jnp.minimum(rounding.div(six_e, tensor_amax), FLT_MAX)
+        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        s_dec = rounding.div(F32(1), s_enc)
+        base = rounding.div(stat, F32(6)) * s_enc
+        best = None
+        for mult in (F32(1.5), F32(1)):  # map-to-4 first: its error must be strictly less
+            s_c = jnp.minimum(base * mult if mult != 1 else base, F32(448))
+            s_c = s_c.astype(jnp.float8_e4m3fn)
+            sf = s_c.astype(jnp.float32)
+            enc = jnp.minimum(rounding.div(F32(1), sf * s_dec), FLT_MAX)
+            q = rounding.round_nearest(xb * enc, element)
+            d = rounding.div((q * sf) * tensor_amax, six_e) - xb
+            e = jnp.abs(d) if self.error == "mae" else rounding.opaque(d * d)
+            err = _block_error_sum(e, axes)
+            if best is None:
+                best = (s_c, enc, err)
+                continue
+            four = best[2] < err
+            best = (jnp.where(four, best[0], s_c), jnp.where(four, best[1], enc))
+        return best
+
+    def decode(self, scale, tensor_amax, element):
+        s = scale.astype(jnp.float32)
+        m = (s * tensor_amax) * _f32_div(1, 6 * self.e4m3_max)
+        return (jnp.where(tensor_amax == 0, s, m),)
+
+
+def _block_error_sum(e, axes: tuple[int, ...]):
+    """Per block (keepdims over ``axes``), the float32 sum of ``e`` as TE's 4/6 kernel adds it:
+    along the last block axis one element after the other (``err = fl(err + e_i)``, from 0);
+    for a 2D tile, then the line sums by the warp tree ``a_i = fl(e_i + e_{i+8})``, 4, 2, 1.
+    Each addition is its own XLA add (no reduction whose order XLA chooses)."""
+    line_axis = axes[-1]
+    total = jax.lax.index_in_dim(e, 0, line_axis)
+    for i in range(1, e.shape[line_axis]):
+        total = total + jax.lax.index_in_dim(e, i, line_axis)
+    if len(axes) == 2:
+        lines = axes[0]
+        while total.shape[lines] > 1:
+            half = total.shape[lines] // 2
+            total = (jax.lax.slice_in_dim(total, 0, half, axis=lines)
+                     + jax.lax.slice_in_dim(total, half, 2 * half, axis=lines))
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

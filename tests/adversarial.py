@@ -157,6 +157,47 @@ def nvfp4(tile: bool = False, seed: int = 0) -> list[Case]:
     return cases
 
 
+def four_over_six(tile: bool = False, seed: int = 0) -> list[Case]:
+    """NVFP4 with 4/6 block scales (TE's 4over6, E = 256): block amaxes on and beside the
+    preimages of every E4M3 value and midpoint under ``fl(fl(b / 6) * S_enc)`` for map-to-6
+    and under its 1.5x for map-to-4, elements on and beside the E2M1 boundaries of both
+    candidates' ``enc``; blocks whose two errors tie (a constant block: both exact) and the
+    worked examples of the 4/6 spec (MAE and MSE choosing differently)."""
+    rng = np.random.default_rng(seed)
+    e4m3 = ref.e4m3_value(np.arange(1, 0x7F, dtype=np.uint8)).astype(np.float64)
+    scale_targets = np.concatenate([e4m3, (e4m3[:-1] + e4m3[1:]) / 2]).astype(F32)
+    elem = element_targets("e2m1")
+    width = 256 if tile else 16
+    cases = []
+    for amax in (F32(3.0625), F32(1536), F32(0.0123456), F32(777.77)):
+        s_enc = np.minimum(F32(1536) / amax, FLT_MAX)
+        s_dec = F32(1) / s_enc
+        bamaxes = np.concatenate([preimages(scale_targets, s_enc / F32(6), k=1),
+                                  preimages(scale_targets / F32(1.5), s_enc / F32(6), k=1)])
+        bamaxes = rng.permutation(bamaxes[(bamaxes > 0) & (bamaxes <= amax)])[:160]
+        blocks = []
+        for b in bamaxes:
+            base = (b / F32(6)) * s_enc
+            encs = [np.minimum(F32(1) / (_e4m3(m) * s_dec), FLT_MAX)
+                    for m in (base, base * F32(1.5))]
+            pool = np.concatenate([preimages(elem, e) for e in encs])
+            pool = pool[np.abs(pool) <= b]
+            blocks.append(rows(b, pool, width, 1, rng).reshape((16, 16) if tile else (1, 16)))
+        head = np.zeros((16, 16) if tile else (1, 16), F32)
+        head.flat[0] = amax  # the tensor amax itself
+        ties = np.full((16, 16) if tile else (1, 16), amax / F32(3), F32)
+        x = np.concatenate([head, ties] + blocks, axis=1 if tile else 0)
+        cases.append(Case(f"4over6{'-16x16' if tile else ''} amax={amax}",
+                          x if tile else _pad_rows(x), (16, 16) if tile else None))
+    worked = np.zeros((4, 16), F32)  # the spec's examples: 4/6 over 6, MAE vs MSE, map-to-4
+    worked[0, :4] = 5, 4.2, 3.3, 1
+    worked[1] = [6, 5, 4.5, -4, 3, 2, 1, 0.5] + [0.25] * 8
+    worked[2] = [6] + [5] * 15
+    worked[3] = 1.0
+    cases.append(Case("4over6 worked examples", _pad_rows(worked)))
+    return cases
+
+
 def mx(elem: str, seed: int = 0) -> list[Case]:
     """MX (RCEIL and FLOOR alike): block amaxes on and beside ``2**k`` (FLOOR's exponent
     boundaries) and beside the preimages of ``2**k`` under ``fl(1/max)`` (RCEIL's), elements
@@ -275,6 +316,8 @@ def cases(fmt: str) -> list[Case]:
     base = fmt.removesuffix("_floor")
     if fmt == "nvfp4":
         return nvfp4() + nvfp4(tile=True)
+    if fmt in ("nvfp4_4over6", "nvfp4_4over6_mse"):
+        return four_over_six() + four_over_six(tile=True)
     if base in mx_elem:
         return mx(mx_elem[base])
     if fmt in ("fp8_e4m3", "fp8_e5m2"):
@@ -292,7 +335,7 @@ def cases(fmt: str) -> list[Case]:
     raise ValueError(f"no adversarial generator for {fmt!r}")
 
 
-FORMATS = ("nvfp4", "mxfp8", "mxfp8_e5m2", "mxfp4", "mxfp8_floor", "mxfp8_e5m2_floor",
+FORMATS = ("nvfp4", "nvfp4_4over6", "nvfp4_4over6_mse", "mxfp8", "mxfp8_e5m2", "mxfp4", "mxfp8_floor", "mxfp8_e5m2_floor",
            "mxfp4_floor", "fp8_e4m3", "fp8_e5m2", "fp8_block128", "int8", "int8_block128", "int4",
            "int4_q4_0", "int8_q8_0")
 
@@ -312,6 +355,11 @@ def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
         codes, sb, a = ref.nvfp4_quantize(x, block_shape=block, amax=amax, ftz=ftz)
         return {"codes": codes, "scale": sb, "amax": a,
                 "values": ref.nvfp4_dequantize(codes, sb, a, block, ftz=ftz)}
+    if fmt in ("nvfp4_4over6", "nvfp4_4over6_mse"):
+        block, error = tile or (1, 16), "mse" if fmt.endswith("_mse") else "mae"
+        codes, sb, a = ref.nvfp4_4over6_quantize(x, block, amax, error=error, ftz=ftz)
+        return {"codes": codes, "scale": sb, "amax": a,
+                "values": ref.nvfp4_4over6_dequantize(codes, sb, a, block, ftz=ftz)}
     if fmt.startswith("mxfp"):
         elem = {"mxfp8": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4": "e2m1"}[fmt.removesuffix("_floor")]
         mode = "floor" if fmt.endswith("_floor") else "rceil"

@@ -42,6 +42,7 @@ __all__ = [
     "fp16_bits", "fp16_value",
     "elem_encode", "elem_decode",
     "nvfp4_quantize", "nvfp4_dequantize",
+    "nvfp4_4over6_quantize", "nvfp4_4over6_dequantize",
     "mx_scale_exponent", "mx_quantize", "mx_dequantize",
     "fp8_tensor_quantize", "fp8_tensor_dequantize",
     "fp8_block_quantize", "fp8_block_dequantize",
@@ -373,6 +374,95 @@ def nvfp4_dequantize(codes, scale_bytes, amax, block_shape=(1, 16), ftz: bool = 
     amax = _f32_in(amax, ftz)
     inv2688 = _div(F32(1.0), _F32_2688, ftz)                   # fl(1/2688)
     scale = _mul(_mul(s_b, amax, ftz), inv2688, ftz)           # fl(fl(s_b * amax) * fl(1/2688))
+    scale = np.where(amax == 0, s_b, scale).astype(F32)
+    return _mul(q, _expand(scale, block_shape), ftz)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4 with Four Over Six block scales (Transformer Engine's 4over6, TE-exact)
+# ----------------------------------------------------------------------------------------------
+# Ported line by line from NVIDIA/TransformerEngine d0067d0da6cb01811b8072a7d304f0e00344ce2b,
+# transformer_engine/common/cast/nvfp4/quantize_4over6_nvfp4.cuh: compute_scale_pair (l.125-146),
+# accumulate_dequant_error (l.190-202, the default error path), make_candidates (l.321-345),
+# reduce_group_sum_16 (l.347-356), the selection err_map4 < err_map6 (l.494, l.541); the global
+# encode scale of core_nvfp4.cuh l.79-95 and the dequantization of dequantize_nvfp4.cuh l.66-77.
+
+
+def _e2m1_values(x, enc, ftz):
+    """The candidate's E2M1 values q (signed float32) of ``fl(x * enc)``."""
+    return e2m1_value(e2m1_code(_mul(x, enc, ftz), ftz), ftz)
+
+
+def _four_over_six_error(q, sf, x, amax, six_e, error, ftz):
+    """Per element: ``d = fl(fl(fl(fl(q * sf) * amax) / 6E) - x)``, then |d| or fl(d * d)."""
+    val = _div(_mul(_mul(q, sf, ftz), amax, ftz), six_e, ftz)
+    with np.errstate(invalid="ignore"):
+        d = _out(np.subtract(val, x, dtype=F32), ftz)
+    return np.abs(d) if error == "mae" else _mul(d, d, ftz)
+
+
+def _line_sums(e, ftz):
+    """Sum along the last axis one element after the other, from 0 (err = fl(err + e_i))."""
+    total = np.zeros(e.shape[:-1], F32)
+    for i in range(e.shape[-1]):
+        total = _add(total, e[..., i], ftz)
+    return total
+
+
+def _warp_tree16(lines, ftz):
+    """reduce_group_sum_16 over axis 1 (16 line sums): fl(e_i + e_{i+8}), then 4, 2, 1."""
+    while lines.shape[1] > 1:
+        half = lines.shape[1] // 2
+        lines = _add(lines[:, :half], lines[:, half:], ftz)
+    return lines[:, 0]
+
+
+def nvfp4_4over6_quantize(x, block_shape=(1, 16), amax=None, e4m3_max=256, error="mae",
+                          ftz: bool = False):
+    """Four Over Six NVFP4 quantization as Transformer Engine's 4over6 kernel computes it.
+
+    Per block: both candidates (the block amax mapped to 6: ``s6 = e4m3(min(base, 448))``,
+    and to 4: ``s4 = e4m3(min(fl(base * 1.5), 448))``, ``base = fl(fl(bamax / 6) * S_enc)``,
+    ``S_enc = fl(6E / amax)``), each rounded to nearest; the error of each summed in element
+    order along the last axis (and, for (16, 16) tiles, the 16 row sums by the warp tree);
+    map-to-4 kept only where its error is strictly smaller. Returns (codes, scale_bytes, amax)
+    as :func:`nvfp4_quantize`; dequantize with ``y = q * fl(fl(s_b * amax) * fl(1/6E))``."""
+    x = _f32_in(_check_2d(x), ftz)
+    one, six_e = F32(1.0), F32(6 * e4m3_max)
+    if amax is None:
+        amax = np.max(np.abs(x)).astype(F32) if x.size else F32(0.0)
+    amax = _f32_in(amax, ftz)
+    s_enc = _min_flt_max(_div(six_e, amax, ftz))
+    s_enc = np.where((amax == 0) | (s_enc == 0), one, s_enc).astype(F32)
+    s_dec = _div(one, s_enc, ftz)
+    base = _mul(_div(_block_reduce_absmax(x, block_shape), F32(6.0), ftz), s_enc, ftz)
+    b0, b1 = _as_2d_block_shape(block_shape)
+    chosen = []
+    for pre in (_mul(base, F32(1.5), ftz), base):          # map-to-4, then map-to-6
+        sbyte = e4m3_byte(np.minimum(pre, F32(448.0)), ftz)
+        sf = e4m3_value(sbyte, ftz)
+        enc = _min_flt_max(_div(one, _mul(sf, s_dec, ftz), ftz))
+        q = _e2m1_values(x, _expand(enc, block_shape), ftz)
+        e = _four_over_six_error(q, _expand(sf, block_shape), x, amax, six_e, error, ftz)
+        lines = _line_sums(_blocked(e, block_shape), ftz)  # (M/b0, b0, N/b1)
+        err = lines[:, 0] if b0 == 1 else _warp_tree16(lines, ftz)
+        chosen.append((sbyte, q, err))
+    (s4, q4, e4), (s6, q6, e6) = chosen
+    with np.errstate(invalid="ignore"):
+        four = e4 < e6                                     # ties and NaN: map-to-6
+    scale_bytes = np.where(four, s4, s6).astype(np.uint8)
+    q = np.where(_expand(four, block_shape), q4, q6).astype(F32)
+    return e2m1_code(q, ftz), scale_bytes, F32(amax)
+
+
+def nvfp4_4over6_dequantize(codes, scale_bytes, amax, block_shape=(1, 16), e4m3_max=256,
+                            ftz: bool = False):
+    """``y = q * fl(fl(s_b * amax) * fl(1/6E))``; ``y = q * s_b`` when amax == 0."""
+    q = e2m1_value(codes, ftz)
+    s_b = e4m3_value(scale_bytes, ftz)
+    amax = _f32_in(amax, ftz)
+    inv = _div(F32(1.0), F32(6 * e4m3_max), ftz)
+    scale = _mul(_mul(s_b, amax, ftz), inv, ftz)
     scale = np.where(amax == 0, s_b, scale).astype(F32)
     return _mul(q, _expand(scale, block_shape), ftz)
 

@@ -1,5 +1,6 @@
 """fp4lab.quantize against the independent NumPy oracle (tests/numpy_ref.py), bit for bit."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,8 @@ import fp4lab
 from fp4lab import rounding
 from fp4lab.formats import E4M3
 from fp4lab.quantize import straight_through
+from fp4lab.recipe import OPERANDS
+from fp4lab.scaling import FourOverSixScale
 
 F32 = np.float32
 NAN, INF = F32(np.nan), F32(np.inf)
@@ -618,3 +621,51 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match=r"key=.* is not a PRNG key"):
         fp4lab.fake_quant(x, "mxfp4", rounding="stochastic", key=jnp.ones(3))
     fp4lab.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.PRNGKey(0))  # legacy
+
+
+# ------------------------------------------------------------------ Four Over Six (4/6)
+
+
+def _four_over_six(x, fmt="nvfp4_4over6"):
+    q = fp4lab.quantize(jnp.asarray(np.asarray(x, F32)), fmt)
+    return np.asarray(fp4lab.dequantize(q)), np.asarray(q.scale.astype(jnp.float32))
+
+
+def test_four_over_six_worked_examples():
+    """Blocks worked out by hand from Transformer Engine's 4over6 arithmetic (E = 256; the
+    adversarial comparison with the ported oracle is in test_rewrites.py): map-to-6 kept on a
+    smaller error, MAE and MSE choosing differently, map-to-4 winning where 6's grid puts 5 on
+    the 4 / 6 tie, the same block with E = 448 (map-to-4 clamped to 448: no choice left), and
+    the division ``fl(bamax / 6)`` that the reciprocal product would round to another scale."""
+    x = np.zeros((1, 16), F32)
+    x[0, :4] = 5, 4.2, 3.3, 1
+    y, s = _four_over_six(x)
+    assert s.tolist() == [[256.0]] and y[0, :4].tolist() == [5, 5, F32(3.3333335), F32(0.8333334)]
+    x = np.array([[6, 5, 4.5, -4, 3, 2, 1, 0.5] + [0.25] * 8], F32)
+    y, s = _four_over_six(x)
+    assert s.tolist() == [[256.0]] and y[0, :8].tolist() == [6, 4, 4, -4, 3, 2, 1, 0.5]
+    y, s = _four_over_six(x, "nvfp4_4over6_mse")
+    assert s.tolist() == [[384.0]] and y[0, :8].tolist() == [6, 4.5, 4.5, -4.5, 3, 2.25, 0.75,
+                                                              0.75]
+    x = np.array([[6] + [5] * 15], F32)
+    y, s = _four_over_six(x)
+    assert s.tolist() == [[384.0]] and y[0].tolist() == [6] + [4.5] * 15
+    e448 = dataclasses.replace(fp4lab.get_format("nvfp4_4over6"), name="nvfp4_4over6_448",
+                               scaling=FourOverSixScale(e4m3_max=448))
+    y, s = _four_over_six(x, e448)
+    assert s.tolist() == [[448.0]] and y[0].tolist() == [6] + [4.0] * 15
+    x = np.zeros((2, 16), F32)
+    x[0, 0], x[1, 0] = 1234.5, np.array([0x445DD2FF], np.uint32).view(F32)[0]
+    y, s = _four_over_six(x)
+    assert s[1, 0] == 176 and y[1, 0] == F32(848.71875)  # fl(fl(b*fl(S/6))) would give 192
+
+
+def test_four_over_six_refuses_stochastic_rounding_and_its_recipe_quantizes_x_and_w():
+    x = jnp.ones((2, 16))
+    with pytest.raises(ValueError, match="not supported for format nvfp4_4over6"):
+        fp4lab.quantize(x, "nvfp4_4over6", rounding="stochastic", key=jax.random.key(0))
+    r = fp4lab.get_recipe("nvfp4_4over6")
+    assert [str(r.operands[o].format) for o in OPERANDS] == [
+        "nvfp4_4over6", "nvfp4_4over6", "nvfp4", "nvfp4_4over6", "nvfp4_4over6", "nvfp4"]
+    assert r.fprop_w.tile == r.dgrad_w.tile == (16, 16) and r.dgrad_dy.rounding == "stochastic"
+    assert not any(r.operands[o].hadamard for o in OPERANDS)  # TE: 4/6 refuses RHT

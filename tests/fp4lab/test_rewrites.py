@@ -41,7 +41,7 @@ from fp4lab.scaling import GGMLQ4_0Scale
 from pallas_kernels.quantize import supports
 
 F32 = np.float32
-GLOBAL_AMAX = ("nvfp4", "fp8_e4m3", "fp8_e5m2")
+GLOBAL_AMAX = ("nvfp4", "nvfp4_4over6", "nvfp4_4over6_mse", "fp8_e4m3", "fp8_e5m2")
 quantize_module = importlib.import_module("fp4lab.quantize")  # fp4lab.quantize is the function
 
 
