@@ -16,6 +16,11 @@
   when exact).
 * ``bad_scales``: fraction of blocks whose stored scale is zero or subnormal (E4M3, FP16,
   FP32 scales) or clamped at 2**-127 (E8M0): "scale health".
+* ``block_dynamic_range``: the largest ``log2(max |x| / min |x|)`` over the nonzero elements
+  of a block, over the blocks (0 for blocks of zeros), in the format's own blocks (the whole
+  tensor for pass-through formats): Transformer Engine's ``max_blockwise_dynamic_range``
+  (``debug/features/utils/stats_computation.py``), the range a block's one scale must span.
+* ``map4_share``: the fraction of blocks Four Over Six maps to 4 (0 for every other format).
 
 Padding added to reach a whole block is excluded from every count.
 """
@@ -30,12 +35,13 @@ import jax.numpy as jnp
 from fp4lab import rounding
 from fp4lab.formats import Format
 from fp4lab.quantize import (check_arguments, dequantize_blocks, from_blocks, quantize_blocks,
-                             rounded_output)
+                             rounded_output, to_blocks)
+from fp4lab.scaling import FourOverSixScale
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
 METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "sqnr_db",
-                "bad_scales")
+                "bad_scales", "block_dynamic_range", "map4_share")
 
 
 def _rate(count: jax.Array, total) -> jax.Array:
@@ -66,13 +72,34 @@ def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
     }
 
 
+def _block_dynamic_range(xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``max`` over blocks of ``log2(amax) - log2(min nonzero |x|)`` (0 for a zero block)."""
+    a = jnp.abs(xb.astype(jnp.float32))
+    amax = jnp.max(a, axis=axes, initial=0.0)
+    amin = jnp.min(jnp.where(a == 0, jnp.inf, a), axis=axes, initial=jnp.inf)
+    per_block = jnp.where(amax != 0, jnp.log2(amax) - jnp.log2(amin), 0.0)
+    return jnp.max(per_block, initial=0.0)
+
+
+def _map4_share(xb, b, fmt: Format, axes) -> jax.Array:
+    if not isinstance(fmt.scaling, FourOverSixScale):
+        return jnp.float32(0)
+    six = fmt.scaling.map_to_6(rounding.abs_max(xb, axis=axes, keepdims=True), b.tensor_amax)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
+    four = bits(b.scale) != bits(six)
+    return _rate(jnp.sum(four, dtype=jnp.int32), jnp.int32(four.size))
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding"))
 def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
     if fmt.is_passthrough:
         y = x.astype(fmt.element.storage)
         zero = jnp.float32(0)
-        return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero}
+        return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero,
+                "block_dynamic_range": _block_dynamic_range(x.reshape(-1), (0,)),
+                "map4_share": zero}
     b = quantize_blocks(x, fmt, g, rounding, key, global_amax)
+    xb = to_blocks(x.astype(jnp.float32), g)
     # the dequantized values rounded (no FMA with the subtraction in error_metrics)
     y = rounded_output(from_blocks(dequantize_blocks(b.q, b.scale, b.tensor_amax, fmt), g))
     lowest = fmt.scaling.round_nearest(jnp.float32(-jnp.finfo(jnp.float32).max), fmt.element)
@@ -82,6 +109,8 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
         **error_metrics(x, y),
         "saturation": _rate(jnp.sum(saturated, dtype=jnp.int32), jnp.int32(saturated.size)),
         "bad_scales": _rate(jnp.sum(bad, dtype=jnp.int32), jnp.int32(bad.size)),
+        "block_dynamic_range": _block_dynamic_range(xb, g.reduce_axes),
+        "map4_share": _map4_share(xb, b, fmt, g.reduce_axes),
     }
 
 

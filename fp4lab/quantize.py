@@ -47,7 +47,7 @@ __all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand
            "straight_through",
            # the XLA reference's steps, for measuring what it does (fp4lab.metrics)
            "check_arguments", "Geometry", "Blocks", "quantize_blocks", "dequantize_blocks",
-           "from_blocks", "rounded_output"]
+           "to_blocks", "from_blocks", "rounded_output"]
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -136,7 +136,8 @@ def _geometry(shape, fmt: Format, axis, tile) -> tuple[Geometry, int]:
     return Geometry(shape, (nd - 2, nd - 1), tile), ax
 
 
-def _to_blocks(x: jax.Array, g: Geometry) -> jax.Array:
+def to_blocks(x: jax.Array, g: Geometry) -> jax.Array:
+    """``x`` zero-padded to whole blocks and reshaped to the blocked layout of ``g``."""
     pad = [(0, p - s) for s, p in zip(g.shape, g.padded)]
     if any(hi for _, hi in pad):
         x = jnp.pad(x, pad)
@@ -231,7 +232,7 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
     :func:`check_arguments` returns and :func:`quantize` takes them; :func:`quantize` encodes
     exactly these ``q`` and stores exactly these scales."""
     scheme, elem = fmt.scaling, fmt.element
-    xb = _to_blocks(x.astype(jnp.float32), g)
+    xb = to_blocks(x.astype(jnp.float32), g)
     stat = scheme.statistic(xb, g.reduce_axes)
     tensor_amax = None
     if global_amax is not None:

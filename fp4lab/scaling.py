@@ -202,12 +202,22 @@ class FourOverSixScale(ScaleScheme):
         raise TypeError("Four Over Six chooses each block's scale from its elements: "
                         "quantize through fp4lab.quantize (encode_blocks)")
 
+    def _base(self, stat, tensor_amax):
+        """``(S_enc, base = fl(fl(bamax / 6) * S_enc))``."""
+        s_enc = jnp.minimum(rounding.div(F32(6 * self.e4m3_max), tensor_amax), FLT_MAX)
+        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        return s_enc, rounding.div(stat, F32(6)) * s_enc
+
+    def map_to_6(self, stat, tensor_amax):
+        """The E4M3 scale each block would get mapped to 6 (plain NVFP4's choice): a stored
+        scale that differs from it is a block mapped to 4."""
+        return jnp.minimum(self._base(stat, tensor_amax)[1], F32(448)).astype(
+            jnp.float8_e4m3fn)
+
     def encode_blocks(self, xb, stat, tensor_amax, element, axes):
         six_e = F32(6 * self.e4m3_max)
-        s_enc = jnp.minimum(rounding.div(six_e, tensor_amax), FLT_MAX)
-        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        s_enc, base = self._base(stat, tensor_amax)
         s_dec = rounding.div(F32(1), s_enc)
-        base = rounding.div(stat, F32(6)) * s_enc
         best = None
         for mult in (F32(1.5), F32(1)):  # map-to-4 first: its error must be strictly less
             s_c = jnp.minimum(base * mult if mult != 1 else base, F32(448))

@@ -4,6 +4,7 @@ docs/numerics.md."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_ref
 import pytest
 
 import fp4lab
@@ -72,3 +73,47 @@ def test_metrics_jit_and_match_fake_quant():
     rel = float(jnp.sum((x - y) ** 2) / jnp.sum(x**2))
     assert float(m["rel_mse"]) == pytest.approx(rel, rel=1e-5)
     assert float(m["mse"]) == pytest.approx(float(jnp.mean((x - y) ** 2)), rel=1e-5)
+
+
+def _te_max_blockwise_dynamic_range(x: np.ndarray, block: tuple[int, int]) -> float:
+    """Transformer Engine's ``compute_max_blockwise_dynamic_range`` (debug/features/utils/
+    stats_computation.py at d0067d0), rowwise, in NumPy: per block ``log2(amax) - log2(min
+    nonzero)``, 0 for a zero block, the max over blocks."""
+    a = np.abs(x.astype(np.float32))
+    b0, b1 = block
+    t = a.reshape(a.shape[0] // b0, b0, a.shape[1] // b1, b1).transpose(0, 2, 1, 3)
+    t = t.reshape(-1, b0 * b1)
+    amax = t.max(1)
+    amin = np.where(t == 0, np.inf, t).min(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per = np.where(amax != 0, np.log2(amax) - np.log2(amin), 0.0)
+    return float(per.max())
+
+
+@pytest.mark.parametrize("fmt, tile, block", [
+    ("nvfp4", None, (1, 16)), ("nvfp4", (16, 16), (16, 16)), ("mxfp8", None, (1, 32)),
+    ("bf16", None, (32, 64))])
+def test_block_dynamic_range_is_transformer_engines_statistic(fmt, tile, block):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 64)) * np.exp2(rng.integers(-12, 12, (32, 64)))).astype(
+        np.float32)
+    x[:16, :16] = 0  # a zero block (and zeros inside others)
+    x[20, 3:9] = 0
+    got = float(quant_metrics(jnp.asarray(x), fmt, tile=tile)["block_dynamic_range"])
+    np.testing.assert_allclose(got, _te_max_blockwise_dynamic_range(x, block), rtol=1e-6)
+    assert float(quant_metrics(jnp.zeros((2, 32)), fmt)["block_dynamic_range"]) == 0.0
+
+
+def test_map4_share_counts_the_blocks_four_over_six_maps_to_4():
+    """Against the ported TE kernel (tests/numpy_ref.py): a block is mapped to 4 where its
+    stored scale differs from the map-to-6 scale."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (64, 64)), np.float32)
+    _, sb, amax = numpy_ref.nvfp4_4over6_quantize(x)
+    six = numpy_ref.e4m3_byte(np.minimum(
+        (numpy_ref._block_reduce_absmax(x, (1, 16)) / np.float32(6))
+        * (np.float32(1536) / amax), np.float32(448)))
+    want = float((sb != six).mean())
+    assert 0.2 < want < 0.5
+    got = quant_metrics(jnp.asarray(x), "nvfp4_4over6")["map4_share"]
+    assert float(got) == want
+    assert float(quant_metrics(jnp.asarray(x), "nvfp4")["map4_share"]) == 0.0

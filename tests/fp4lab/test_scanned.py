@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from fp4lab.flax import explain, linear_layers, quantize_model
+from fp4lab.metrics import METRIC_NAMES
 from fp4lab.flax.nnx import LAYER_CALLS, register_layer
 from fp4lab.policy import Depth, PrecisionPolicy, Rule, nemotron3
 from fp4lab.qdot import qdot_general
@@ -214,7 +215,7 @@ def test_probes_of_stacked_blocks_are_each_blocks_own_numerics():
 
     x = jax.random.normal(jax.random.key(0), (16, D))
     m = quantize_model(HostScanned(nnx.Rngs(0), axis=1, remat=True), "all:nvfp4", probes=True)
-    assert m.blocks.up.dot_general.probe[...].shape == (L, 6, 7)
+    assert m.blocks.up.dot_general.probe[...].shape == (L, 6, len(METRIC_NAMES))
     diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantProbe))
     grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=diff))(m)
     records = probe_records(m, grads)
