@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from fp4lab.export.blocks import blocks, pack
-from fp4lab.export.safetensors_files import plain_tensors, write_config, write_safetensors
-from fp4lab.qarray import QArray
+from fp4lab.export.safetensors_files import quantized_items, write_config, write_safetensors
 
 FORMATS = ("mxfp4", "mxfp4_floor")  # E2M1 elements, E8M0 scales per 32
 
@@ -19,12 +18,7 @@ def save_mxfp4(tensors, path: Path, names, metadata) -> None:
     ``<name>_scales`` (E8M0 bytes ``[..., out, in/32]``) per quantized kernel, the rest as
     they are; ``config.json``'s ``quantization_config``."""
     out, index, skipped = {}, {}, []
-    for p, value in tensors.items():
-        name = names(p)
-        if not isinstance(value, QArray):
-            if module := plain_tensors(p, value, name, out, index):
-                skipped.append(module)
-            continue
+    for p, name, value in quantized_items(tensors, names, out, index, skipped):
         b = blocks(p, value)
         if (b.scales == 255).any():
             raise ValueError(f"{p}: {int((b.scales == 255).sum())} block(s) hold NaN (E8M0 "

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from fp4lab.export.blocks import Blocks, blocks, nvfp4_amax, nvfp4_encode_factor, pack
-from fp4lab.export.safetensors_files import (module_name, plain_tensors, write_config,
+from fp4lab.export.safetensors_files import (module_name, quantized_items, write_config,
                                              write_safetensors)
-from fp4lab.qarray import QArray
 
 FORMATS = ("nvfp4",)
 
@@ -25,12 +24,7 @@ def nvfp4_tensors(tensors, path: Path, names, module_tensors: Callable[[str, str
     quantized module's tensors (their names and arrays), the rest as they are. Returns the
     quantized modules and the unquantized linear layers."""
     out, index, ignore, quantized = {}, {}, [], []
-    for p, value in tensors.items():
-        name = names(p)
-        if not isinstance(value, QArray):
-            if module := plain_tensors(p, value, name, out, index):
-                ignore.append(module)
-            continue
+    for p, name, value in quantized_items(tensors, names, out, index, ignore):
         module = module_name(name)
         b = blocks(p, value)
         amax = nvfp4_amax(p, b)

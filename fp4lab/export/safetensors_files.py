@@ -79,6 +79,18 @@ def plain_tensors(p, value, name, tensors, index) -> str | None:
     return module_name(name) if kernel else None
 
 
+def quantized_items(tensors, names, out: dict, index: dict, unquantized: list):
+    """``(path, tensor name, QArray)`` of each quantized tensor, in order; the others are
+    stored in ``out`` / ``index`` as they are (:func:`plain_tensors`), their linear layers'
+    modules appended to ``unquantized``."""
+    for p, value in tensors.items():
+        name = names(p)
+        if isinstance(value, QArray):
+            yield p, name, value
+        elif module := plain_tensors(p, value, name, out, index):
+            unquantized.append(module)
+
+
 def module_name(name: str) -> str:
     return name.rpartition(".")[0] if name.endswith(".weight") else name
 
