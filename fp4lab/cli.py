@@ -56,7 +56,7 @@ def format_rows() -> list[dict[str, str]]:
             unit = f"{f.block}" if f.granularity == "block" else "channel"
             scale = f"{f.scaling.scale_name}/{unit}"
         if f.has_global_scale:
-            scale += " + fp32/tensor"
+            scale += " + fp32/row" if f.scaling.amax_per_slice else " + fp32/tensor"
         rows.append({
             "format": f.name,
             "element": el.name,

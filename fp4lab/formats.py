@@ -219,6 +219,8 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         _block("nvfp4", E2M1, scaling.NVFP4Scale(), 16, "NVIDIA Transformer Engine NVFP4"),
+        _block("nvfp4_row", E2M1, scaling.RowScaledNVFP4Scale(), 16,
+               "Transformer Engine NVFP4 with one amax per row (NVTE_NVFP4_ROW_SCALED_ACTIVATION)"),
         _block("nvfp4_4over6", E2M1, scaling.FourOverSixScale(), 16,
                "Four Over Six (arXiv 2512.02010), Transformer Engine's 4over6 (MAE, E 256)"),
         _block("nvfp4_4over6_mse", E2M1, scaling.FourOverSixScale(error="mse"), 16,

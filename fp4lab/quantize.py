@@ -207,6 +207,9 @@ def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
         if fmt.is_passthrough and fmt.element.name not in ("bf16", "fp16"):
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
                              f"{fmt.name} (only bf16 and fp16)")
+    if fmt.scaling.amax_per_slice and (tile is not None or global_amax is not None):
+        raise ValueError(f"format {fmt.name} takes its amax per slice along the block axis: "
+                         f"no 2D tile (got tile={tile}) and no global_amax")
     if global_amax is not None and not (fmt.has_global_scale or fmt.granularity == "tensor"):
         raise ValueError(f"global_amax given, but format {fmt.name} has no per-tensor scale")
     return x, fmt, g, ax
@@ -239,7 +242,10 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
         global_amax = jnp.asarray(global_amax, jnp.float32)
         if global_amax.ndim:
             raise ValueError(f"global_amax must be a scalar, got shape {global_amax.shape}")
-    if scheme.uses_tensor_amax:
+    if scheme.amax_per_slice:  # over the block axis's blocks, one per slice (keepdims)
+        (inner,) = g.reduce_axes
+        tensor_amax = rnd.abs_max(stat, axis=(inner - 1, inner), keepdims=True)
+    elif scheme.uses_tensor_amax:
         tensor_amax = global_amax if global_amax is not None else rnd.abs_max(stat)
     elif global_amax is not None:  # per-tensor scaling with a given amax
         stat = jnp.broadcast_to(global_amax, stat.shape)

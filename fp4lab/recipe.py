@@ -237,6 +237,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _uniform("mxfp8_floor", "mxfp8_floor", "MXFP8 with OCP FLOOR scales (torchao's to_mx "
              "default, torchtitan's mxfp8_cublas before 2026-03), which arXiv 2506.08027 saw "
              "diverge at 8B / 15T tokens where RCEIL (mxfp8) matched BF16"),
+    Recipe(
+        name="nvfp4_row_scaled",
+        fprop_x=_op("nvfp4_row"), fprop_w=_op("nvfp4"), dgrad_dy=_op("nvfp4"),
+        dgrad_w=_op("nvfp4"), wgrad_x=_op("nvfp4_row"), wgrad_dy=_op("nvfp4"),
+        follows="Transformer Engine's row-scaled NVFP4 activations as its tests run them: one "
+                "amax per token for X (per feature for its wgrad copy), weights and gradients "
+                "per tensor; 1D weight blocks, no RHT, no SR (TE's canonical config)"),
     _four_over_six("nvfp4_4over6", "nvfp4_4over6",
                    follows="Four Over Six (arXiv 2512.02010) as Transformer Engine trains it "
                    "(NVTE_NVFP4_4OVER6=all, MAE): 4/6 block scales with E 256 on X and W, "

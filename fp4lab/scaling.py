@@ -41,6 +41,7 @@ __all__ = [
     "AbsMaxScale",
     "NVFP4Scale",
     "FourOverSixScale",
+    "RowScaledNVFP4Scale",
     "PowerOfTwoScale",
     "CeilPowerOfTwoScale",
     "GGMLQ4_0Scale",
@@ -65,6 +66,7 @@ class ScaleScheme:
     scale_bits = 32
     uses_tensor_amax = False  # True when a per-tensor amax enters the block scales (NVFP4)
     stochastic_ok = True  # False: the scheme's choice of scale assumes rounding to nearest
+    amax_per_slice = False  # True: the "tensor" amax is one per slice along the block axis
 
     def statistic(self, xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         return rounding.abs_max(xb, axis=axes, keepdims=True)
@@ -161,6 +163,30 @@ class NVFP4Scale(ScaleScheme):
         s = scale.astype(jnp.float32)
         m = (s * tensor_amax) * _f32_div(1, 2688)
         return (jnp.where(tensor_amax == 0, s, m),)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScaledNVFP4Scale(ScaleScheme):
+    """NVFP4 whose second-level amax is one per slice along the block axis instead of one per
+    tensor: per row (token) of an activation blocked along K, per feature of its transposed
+    copy blocked along the tokens; Transformer Engine's row-scaled NVFP4 activations
+    (``NVTE_NVFP4_ROW_SCALED_ACTIVATION``, quantize_transpose_nvfp4.cuh at d0067d0). Every
+    other step is :class:`NVFP4Scale`'s, with the slice's amax in place of the tensor's.
+    TE refuses it with 2D tiles, stochastic rounding and a given (reduced) amax: so does
+    ``fp4lab.quantize``."""
+
+    scale_dtype = "float8_e4m3fn"
+    scale_name = "e4m3"
+    scale_bits = 8
+    uses_tensor_amax = True
+    amax_per_slice = True
+    stochastic_ok = False
+
+    def encode(self, stat, tensor_amax, element):
+        return NVFP4Scale().encode(stat, tensor_amax, element)
+
+    def decode(self, scale, tensor_amax, element):
+        return NVFP4Scale().decode(scale, tensor_amax, element)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -318,6 +318,8 @@ def cases(fmt: str) -> list[Case]:
         return nvfp4() + nvfp4(tile=True)
     if fmt in ("nvfp4_4over6", "nvfp4_4over6_mse"):
         return four_over_six() + four_over_six(tile=True)
+    if fmt == "nvfp4_row":  # each row's own amax (1D blocks only)
+        return nvfp4()
     if base in mx_elem:
         return mx(mx_elem[base])
     if fmt in ("fp8_e4m3", "fp8_e5m2"):
@@ -335,7 +337,7 @@ def cases(fmt: str) -> list[Case]:
     raise ValueError(f"no adversarial generator for {fmt!r}")
 
 
-FORMATS = ("nvfp4", "nvfp4_4over6", "nvfp4_4over6_mse", "mxfp8", "mxfp8_e5m2", "mxfp4", "mxfp8_floor", "mxfp8_e5m2_floor",
+FORMATS = ("nvfp4", "nvfp4_row", "nvfp4_4over6", "nvfp4_4over6_mse", "mxfp8", "mxfp8_e5m2", "mxfp4", "mxfp8_floor", "mxfp8_e5m2_floor",
            "mxfp4_floor", "fp8_e4m3", "fp8_e5m2", "fp8_block128", "int8", "int8_block128", "int4",
            "int4_q4_0", "int8_q8_0")
 
@@ -355,6 +357,13 @@ def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
         codes, sb, a = ref.nvfp4_quantize(x, block_shape=block, amax=amax, ftz=ftz)
         return {"codes": codes, "scale": sb, "amax": a,
                 "values": ref.nvfp4_dequantize(codes, sb, a, block, ftz=ftz)}
+    if fmt == "nvfp4_row":  # NVFP4 on each row with the row's own amax
+        rows_ = [ref.nvfp4_quantize(r[None], ftz=ftz) for r in x]
+        codes = np.concatenate([c for c, _, _ in rows_])
+        sb = np.concatenate([s for _, s, _ in rows_])
+        return {"codes": codes, "scale": sb,
+                "values": np.concatenate([ref.nvfp4_dequantize(c, s, a, ftz=ftz)
+                                          for c, s, a in rows_])}
     if fmt in ("nvfp4_4over6", "nvfp4_4over6_mse"):
         block, error = tile or (1, 16), "mse" if fmt.endswith("_mse") else "mae"
         codes, sb, a = ref.nvfp4_4over6_quantize(x, block, amax, error=error, ftz=ftz)

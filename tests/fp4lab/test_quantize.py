@@ -669,3 +669,38 @@ def test_four_over_six_refuses_stochastic_rounding_and_its_recipe_quantizes_x_an
         "nvfp4_4over6", "nvfp4_4over6", "nvfp4", "nvfp4_4over6", "nvfp4_4over6", "nvfp4"]
     assert r.fprop_w.tile == r.dgrad_w.tile == (16, 16) and r.dgrad_dy.rounding == "stochastic"
     assert not any(r.operands[o].hadamard for o in OPERANDS)  # TE: 4/6 refuses RHT
+
+
+# ------------------------------------------------------------------ row-scaled NVFP4
+
+
+@pytest.mark.parametrize("name", ["bf16-wide", "fp32-heavy"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_row_scaled_nvfp4_is_te_nvfp4_with_each_slices_own_amax(name, axis):
+    """Transformer Engine's row-scaled NVFP4: its NVFP4 arithmetic (the oracle) run on each
+    slice along the block axis with that slice's amax: a row of X blocked along K (fprop),
+    a column blocked along the tokens (its wgrad copy, axis 0)."""
+    x = case(name)[:16, :48]
+    q = fp4lab.quantize(as_input(x, input_dtype(name)), "nvfp4_row", axis=axis)
+    slices = x if axis == 1 else x.T
+    got_values = np.asarray(fp4lab.dequantize(q))
+    got_values = got_values if axis == 1 else got_values.T
+    amax = np.asarray(q.global_scale).reshape(-1)
+    assert amax.shape == (slices.shape[0],)
+    for r, row in enumerate(slices):
+        codes, sb, a = ref.nvfp4_quantize(row[None], block_shape=(1, 16))
+        same_bits(amax[r], a)
+        same_bits(got_values[r][None], ref.nvfp4_dequantize(codes, sb, a))
+    assert len(set(amax.tolist())) > 1  # the slices' amaxes differ: not one tensor amax
+
+
+def test_row_scaled_nvfp4_refuses_what_te_refuses():
+    x = jnp.ones((16, 32))
+    for kw, match in (({"tile": (16, 16)}, "no 2D tile"), ({"global_amax": 1.0}, "no global_amax"),
+                      ({"rounding": "stochastic", "key": jax.random.key(0)},
+                       "not supported for format nvfp4_row")):
+        with pytest.raises(ValueError, match=match):
+            fp4lab.quantize(x, "nvfp4_row", **kw)
+    r = fp4lab.get_recipe("nvfp4_row_scaled")
+    assert [str(r.operands[o].format) for o in OPERANDS] == [
+        "nvfp4_row", "nvfp4", "nvfp4", "nvfp4", "nvfp4_row", "nvfp4"]
