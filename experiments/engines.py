@@ -93,10 +93,9 @@ def check_nemotron_h(cfg) -> None:
     """ValueError naming every option of ``cfg`` (a ModelConfig) whose forward pass
     llama.cpp's ``nemotron_h`` does not compute: those transformers' NemotronH cannot
     either (one table, ``experiments.hf_nemotron_h.UNSUPPORTED``), all of them at once."""
-    from experiments.hf_nemotron_h import UNSUPPORTED
+    from experiments.hf_nemotron_h import refused_options
 
-    bad = [f"{option}={getattr(cfg, option)!r} ({what})"
-           for option, (refused, what) in UNSUPPORTED.items() if refused(cfg)]
+    bad = refused_options(cfg)
     if bad:
         raise ValueError(f"llama.cpp's {ARCH} cannot run this model: " + "; ".join(bad)
                          + ". Export its tensors under the generic architecture instead "

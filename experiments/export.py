@@ -47,7 +47,7 @@ __all__ = ["export_run", "validation_logits", "validation_loss", "with_weights",
 GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
 # what the command writes: llama.cpp's nemotron_h GGUF; NemotronHForCausalLM folders in BF16,
 # compressed-tensors NVFP4 or ModelOpt NVFP4; mxfp4 is refused (NO_DENSE_MXFP4)
-LAYOUTS = ("gguf", "bf16", "nvfp4", "nvfp4_modelopt", "mxfp4")
+SERVED_LAYOUTS = ("gguf", "bf16", "nvfp4", "nvfp4_modelopt", "mxfp4")
 NO_DENSE_MXFP4 = (
     "layout 'mxfp4' (gpt-oss's MXFP4 safetensors): transformers and vLLM load MXFP4 only for "
     "MoE expert stacks, and the hybrid LM has none, so no engine would run this folder; for "
@@ -71,18 +71,17 @@ def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
 
     if gguf_arch not in GGUF_ARCHS:
         raise ValueError(f"gguf_arch={gguf_arch!r}: use one of {GGUF_ARCHS}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    cfg = model_config(run.config, run.data)
-    generic = layout == "gguf" and gguf_arch == "fp4lab"
+    if layout not in SERVED_LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(SERVED_LAYOUTS)}")
     if layout == "mxfp4":
         raise ValueError(NO_DENSE_MXFP4)
-    if layout == "gguf" and not generic:
-        engines.check_nemotron_h(cfg)
-    elif not generic:
+    cfg = model_config(run.config, run.data)
+    generic = layout == "gguf" and gguf_arch == "fp4lab"
+    if layout != "gguf":  # a NemotronHForCausalLM folder
         hf_nemotron_h.check_expressible(cfg)
-        if layout != "gguf":
-            hf_nemotron_h.check_output(out)  # a wrong path fails before the work
+        hf_nemotron_h.check_output(out)  # a wrong path fails before the work
+    elif not generic:
+        engines.check_nemotron_h(cfg)
     meta = {"run": run.workdir.name, "policy_name": policy or run.config.precision.policy,
             "seed": run.config.seed}
     kw = dict(max_positions=run.config.data.seq_len, metadata=meta)
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Export a trained run's quantized weights for "
                                  "an inference engine.")
     ap.add_argument("--run", required=True, help="a finished run's folder")
-    ap.add_argument("--layout", required=True, choices=LAYOUTS,
+    ap.add_argument("--layout", required=True, choices=SERVED_LAYOUTS,
                     help="gguf: llama.cpp's nemotron_h; bf16, nvfp4 (compressed-tensors), "
                     "nvfp4_modelopt: transformers' NemotronHForCausalLM folder")
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")

@@ -34,10 +34,9 @@ hybrid LM                              NemotronH
 ``head`` [D, V]                        ``lm_head.weight`` (untied)
 =====================================  ==================================================
 
-The fused ``qkv`` kernel under NVFP4 was quantized with one tensor amax: each third is
-quantized again with that amax (``fp4lab.quantize(..., global_amax=)``), which gives the
-fused kernel's codes and block scales (checked, bit for bit, on every export), and the three
-modules carry the same ``weight_global_scale``.
+The fused ``qkv`` kernel under NVFP4 was quantized with one tensor amax: its codes and block
+scales are split by columns (blocks run along the input axis, so each third keeps its bytes),
+and the three modules carry the same ``weight_global_scale``.
 
 Where the hybrid LM and transformers' NemotronH differ, and what the config does about it:
 
@@ -84,15 +83,14 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from experiments.engines import split_columns
 from experiments.model import ModelConfig, RMSNorm
-from fp4lab import QArray, dequantize, quantize
 
 __all__ = ["UNSUPPORTED", "HF_BLOCKS", "check_expressible", "hf_config", "hf_name",
-           "hf_layout", "write_bf16", "write_nvfp4", "check_output"]
+           "hf_layout", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
 
 HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}  # 5.24's names
 
@@ -121,14 +119,21 @@ _MIXER = {  # a block's mixer parameter (after hf_layout) -> NemotronH's name un
 _MTP = ("mtp_proj/", "mtp_block/", "mtp_norm_h/", "mtp_norm_e/", "mtp_head/")
 
 
+def refused_options(cfg: ModelConfig) -> list[str]:
+    """``option=value (why)`` for each model option of ``cfg`` whose forward pass the engines'
+    Nemotron-H (transformers' and llama.cpp's) cannot compute (:data:`UNSUPPORTED`)."""
+    return [f"{option}={getattr(cfg, option)!r} ({what})"
+            for option, (refused, what) in UNSUPPORTED.items() if refused(cfg)]
+
+
 def check_expressible(cfg: ModelConfig) -> None:
-    """ValueError naming the first model option of ``cfg`` whose forward pass transformers'
-    NemotronH cannot compute (:data:`UNSUPPORTED`)."""
-    for option, (refused, what) in UNSUPPORTED.items():
-        if refused(cfg):
-            raise ValueError(f"model option {option}={getattr(cfg, option)!r} ({what}): "
-                             "transformers' NemotronHForCausalLM cannot express it; export a "
-                             f"run with {option} at its default")
+    """ValueError naming every model option of ``cfg`` that transformers' NemotronH cannot
+    compute (:func:`refused_options`)."""
+    bad = refused_options(cfg)
+    if bad:
+        raise ValueError("model option " + "; model option ".join(bad) + ": transformers' "
+                         "NemotronHForCausalLM cannot express it; export a run with these "
+                         "options at their defaults")
 
 
 def hf_config(cfg: ModelConfig, *, max_positions: int) -> dict:
@@ -172,22 +177,22 @@ def hf_name(path: str) -> str:
     raise ValueError(f"{path=}: no NemotronH tensor for it")
 
 
-def hf_layout(weights: dict, cfg: ModelConfig, split=None) -> dict:
+def hf_layout(weights: dict, cfg: ModelConfig) -> dict:
     """``weights`` (``{parameter path: array or QArray}``) in NemotronH's layout, still keyed
     by paths (:func:`hf_name` names them; kernels stay ``[in, out]``): ``qkv`` split into
-    ``q_proj``, ``k_proj``, ``v_proj`` by ``split(path, value, thirds)`` (default: column
-    slices of an array), the convolution ``[W, C]`` as ``conv1d/weight`` ``[C, 1, W]``, the
-    MTP head's parameters left out. Every other path must have a NemotronH name."""
+    ``q_proj``, ``k_proj``, ``v_proj`` (:func:`experiments.engines.split_columns`: a
+    quantized kernel's codes and scales split with it, its tensor amax shared), the
+    convolution ``[W, C]`` as ``conv1d/weight`` ``[C, 1, W]``, the MTP head's parameters left
+    out. Every other path must have a NemotronH name."""
     d, out = cfg.d_model, {}
     for path, value in weights.items():
         layer, _, leaf = path.rpartition("/")
         if path.startswith(_MTP):
             continue
         if layer.endswith("/attention/qkv") and leaf == "kernel":
-            thirds = [slice(i * d, (i + 1) * d) for i in range(3)]
-            parts = (split or (lambda p, v, s: [v[:, c] for c in s]))(path, value, thirds)
             base = layer.rpartition("/")[0]
-            out.update({f"{base}/{n}_proj/kernel": v for n, v in zip("qkv", parts)})
+            out.update({f"{base}/{n}_proj/kernel": v
+                        for n, v in zip("qkv", split_columns(value, [d, d, d]))})
         elif leaf == "conv_kernel":
             out[f"{layer}/conv1d/weight"] = np.ascontiguousarray(np.asarray(value).T[:, None])
         else:
@@ -277,32 +282,6 @@ def write_bf16(params, cfg: ModelConfig, out, *, max_positions: int,
     return Path(out)
 
 
-def _requantize_thirds(record: dict, params_flat: dict):
-    """``hf_layout``'s ``split`` for quantized weights: each third of a quantized ``qkv``
-    kernel quantized again as the fused one was (its format, tile or axis, and its tensor
-    amax), from the kernel in the GEMM's compute dtype; checked to equal the fused QArray's
-    values bit for bit."""
-    def split(path, value, thirds):
-        if not isinstance(value, QArray):
-            return [value[:, c] for c in thirds]
-        dtype = record[path.rpartition("/")[0]].compute_dtype
-        w = jnp.asarray(params_flat[path])
-        w = (w.astype(dtype) if dtype else w).astype(jnp.float32)
-        fused = np.asarray(dequantize(value))
-        parts = []
-        for c in thirds:
-            q = quantize(w[:, c], value.format, axis=value.axis, tile=value.tile,
-                         global_amax=value.global_scale)
-            if not np.array_equal(np.asarray(dequantize(q)).view(np.uint32),
-                                  fused[:, c].view(np.uint32)):
-                raise RuntimeError(f"{path}: a third requantized with the fused amax differs "
-                                   "from the fused kernel's values")
-            parts.append(q)
-        return parts
-
-    return split
-
-
 def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
                 metadata: dict | None = None, layout: str = "nvfp4") -> Path:
     """Write ``params`` to the folder ``out`` as an NVFP4 NemotronH checkpoint in ``layout``
@@ -313,9 +292,7 @@ def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
     from fp4lab import export
 
     check_expressible(cfg)
-    flat = _flat(params)
-    weights = export.quantized_weights({"params": params}, record)
-    laid = hf_layout(weights, cfg, split=_requantize_thirds({a.path: a for a in record}, flat))
+    laid = hf_layout(export.quantized_weights({"params": params}, record), cfg)
     with _Folder(out) as tmp:
         meta = _meta(cfg, layout, metadata)
         _write_config(tmp, cfg, max_positions, meta)  # save extends it (its fp4lab: meta)

@@ -151,8 +151,7 @@ class NVFP4Scale(ScaleScheme):
     uses_tensor_amax = True
 
     def encode(self, stat, tensor_amax, element):
-        s_enc = jnp.minimum(rounding.div(F32(2688), tensor_amax), FLT_MAX)
-        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        s_enc = _nvfp4_encode_factor(tensor_amax, 2688)
         s_dec = rounding.div(F32(1), s_enc)
         s_b = jnp.minimum(stat * (s_enc * _f32_div(1, 6)), FLT_MAX)
         s_b = jnp.minimum(s_b, F32(448)).astype(jnp.float8_e4m3fn)
@@ -160,9 +159,21 @@ class NVFP4Scale(ScaleScheme):
         return s_b, enc
 
     def decode(self, scale, tensor_amax, element):
-        s = scale.astype(jnp.float32)
-        m = (s * tensor_amax) * _f32_div(1, 2688)
-        return (jnp.where(tensor_amax == 0, s, m),)
+        return _nvfp4_decode(scale, tensor_amax, 2688)
+
+
+def _nvfp4_encode_factor(tensor_amax, six_e: int):
+    """NVFP4's ``S_enc = min(fl(6E / amax), FLT_MAX)``, 1 where ``amax == 0`` or ``S_enc == 0``
+    (``amax = inf``); ``6E`` is 2688 (E4M3's 448) or, for Four Over Six, 1536."""
+    s_enc = jnp.minimum(rounding.div(F32(six_e), tensor_amax), FLT_MAX)
+    return jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+
+
+def _nvfp4_decode(scale, tensor_amax, six_e: int) -> tuple[jax.Array]:
+    """NVFP4's decode multiplier ``fl(fl(s * amax) * fl(1/6E))`` (``s`` where amax is 0)."""
+    s = scale.astype(jnp.float32)
+    m = (s * tensor_amax) * _f32_div(1, six_e)
+    return (jnp.where(tensor_amax == 0, s, m),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +193,8 @@ class RowScaledNVFP4Scale(ScaleScheme):
     amax_per_slice = True
     stochastic_ok = False
 
-    def encode(self, stat, tensor_amax, element):
-        return NVFP4Scale().encode(stat, tensor_amax, element)
-
-    def decode(self, scale, tensor_amax, element):
-        return NVFP4Scale().decode(scale, tensor_amax, element)
+    encode = NVFP4Scale.encode
+    decode = NVFP4Scale.decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +238,7 @@ class FourOverSixScale(ScaleScheme):
 
     def _base(self, stat, tensor_amax):
         """``(S_enc, base = fl(fl(bamax / 6) * S_enc))``."""
-        s_enc = jnp.minimum(rounding.div(F32(6 * self.e4m3_max), tensor_amax), FLT_MAX)
-        s_enc = jnp.where((tensor_amax == 0) | (s_enc == 0), F32(1), s_enc)
+        s_enc = _nvfp4_encode_factor(tensor_amax, 6 * self.e4m3_max)
         return s_enc, rounding.div(stat, F32(6)) * s_enc
 
     def map_to_6(self, stat, tensor_amax):
@@ -240,31 +247,26 @@ class FourOverSixScale(ScaleScheme):
         return jnp.minimum(self._base(stat, tensor_amax)[1], F32(448)).astype(
             jnp.float8_e4m3fn)
 
+    def _candidate(self, pre, s_dec, xb, tensor_amax, element, axes):
+        """One candidate's stored scale ``e4m3(min(pre, 448))``, multiplier and block error."""
+        s_c = jnp.minimum(pre, F32(448)).astype(jnp.float8_e4m3fn)
+        sf = s_c.astype(jnp.float32)
+        enc = jnp.minimum(rounding.div(F32(1), sf * s_dec), FLT_MAX)
+        q = rounding.round_nearest(xb * enc, element)
+        d = rounding.div((q * sf) * tensor_amax, F32(6 * self.e4m3_max)) - xb
+        e = jnp.abs(d) if self.error == "mae" else rounding.opaque(d * d)
+        return s_c, enc, _block_error_sum(e, axes)
+
     def encode_blocks(self, xb, stat, tensor_amax, element, axes):
-        six_e = F32(6 * self.e4m3_max)
         s_enc, base = self._base(stat, tensor_amax)
         s_dec = rounding.div(F32(1), s_enc)
-        best = None
-        for mult in (F32(1.5), F32(1)):  # map-to-4 first: its error must be strictly less
-            s_c = jnp.minimum(base * mult if mult != 1 else base, F32(448))
-            s_c = s_c.astype(jnp.float8_e4m3fn)
-            sf = s_c.astype(jnp.float32)
-            enc = jnp.minimum(rounding.div(F32(1), sf * s_dec), FLT_MAX)
-            q = rounding.round_nearest(xb * enc, element)
-            d = rounding.div((q * sf) * tensor_amax, six_e) - xb
-            e = jnp.abs(d) if self.error == "mae" else rounding.opaque(d * d)
-            err = _block_error_sum(e, axes)
-            if best is None:
-                best = (s_c, enc, err)
-                continue
-            four = best[2] < err
-            best = (jnp.where(four, best[0], s_c), jnp.where(four, best[1], enc))
-        return best
+        s4, enc4, err4 = self._candidate(base * F32(1.5), s_dec, xb, tensor_amax, element, axes)
+        s6, enc6, err6 = self._candidate(base, s_dec, xb, tensor_amax, element, axes)
+        four = err4 < err6  # strictly: ties and NaN errors keep map-to-6
+        return jnp.where(four, s4, s6), jnp.where(four, enc4, enc6)
 
     def decode(self, scale, tensor_amax, element):
-        s = scale.astype(jnp.float32)
-        m = (s * tensor_amax) * _f32_div(1, 6 * self.e4m3_max)
-        return (jnp.where(tensor_amax == 0, s, m),)
+        return _nvfp4_decode(scale, tensor_amax, 6 * self.e4m3_max)
 
 
 def _block_error_sum(e, axes: tuple[int, ...]):

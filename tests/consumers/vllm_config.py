@@ -166,11 +166,14 @@ def modelopt(qc, modules: dict, tensors: dict, out: dict) -> list[str]:
             entry["params"] = sorted(required) + [f"({n})" for n in sorted(optional)]
             fails += check_params(module, tensors, required, optional)
         if quantized != shape["quantized"]:
-            fails.append(f"{module}: the checkpoint's weight is "
-                         f"{'NVFP4' if shape['quantized'] else 'unquantized'}, vLLM "
-                         f"dispatches it to {type(method).__name__}")
+            fails.append(disagreement(module, shape, f"dispatches it to {type(method).__name__}"))
         out["modules"][module] = entry
     return fails
+
+
+def disagreement(module: str, shape: dict, vllm_does: str) -> str:
+    kind = "NVFP4" if shape["quantized"] else "unquantized"
+    return f"{module}: the checkpoint's weight is {kind}, vLLM {vllm_does}"
 
 
 def ct_scheme(qc, args: dict, module: str) -> tuple[str, str]:
@@ -215,9 +218,8 @@ def compressed_tensors(qc, modules: dict, tensors: dict, out: dict) -> list[str]
                              exclude_defaults=True))
             entry["scheme"], entry["kernel"] = ct_scheme(qc, args, module)
         if quantized != shape["quantized"]:
-            fails.append(f"{module}: the checkpoint's weight is "
-                         f"{'NVFP4' if shape['quantized'] else 'unquantized'}, vLLM "
-                         f"treats it as {'quantized' if quantized else 'unquantized'}")
+            fails.append(disagreement(module, shape, "treats it as "
+                                      + ("quantized" if quantized else "unquantized")))
         out["modules"][module] = entry
     return fails
 
