@@ -105,6 +105,13 @@ def _check_served(info: dict, decompressed: bool) -> None:
     assert all(v == ["torch.float32", True] for v in info["linear"].values()), info["linear"]
 
 
+def _report(name, folder, logits, ref, targets) -> None:
+    """One line under ``pytest -s``: the losses, the largest logit difference, the file."""
+    size = (folder / "model.safetensors").stat().st_size
+    print(f"\n{name:5} fp4lab {_loss(ref, targets):.6f}  transformers {_loss(logits, targets):.6f}"
+          f"  max|logit diff| {np.abs(logits - ref).max():.2e}  {size:,} bytes")
+
+
 @pytest.mark.slow
 def test_transformers_serves_the_bf16_checkpoint_with_fp4labs_logits(served):
     _, run, inputs, targets, out = served
@@ -116,6 +123,7 @@ def test_transformers_serves_the_bf16_checkpoint_with_fp4labs_logits(served):
     assert set(header) == NAMES_M_ATTN_MLP
     assert {v["dtype"] for v in header.values()} == {"BF16"}
     ref = _forward(run, jax.tree.map(_bf16, run.params), inputs)
+    _report("BF16", folder, logits, ref, targets)
     assert np.abs(logits - ref).max() <= TOLERANCE * np.abs(ref).max()
     assert _loss(logits, targets) == pytest.approx(_loss(ref, targets), rel=1e-6)
     # the same logits are not the float32 parameters' (the BF16 rounding shows)
@@ -143,6 +151,7 @@ def test_transformers_serves_the_nvfp4_checkpoint_with_fp4labs_logits(served):
     assert len(quantized) == 7 and all(q.format.name == "nvfp4" for q in quantized.values())
     served_weights = {p: _bf16(dequantize(q)) for p, q in quantized.items()}
     ref = _forward(run, with_weights(run.params, served_weights), inputs)
+    _report("NVFP4", path, logits, ref, targets)
     assert np.abs(logits - ref).max() <= TOLERANCE * np.abs(ref).max()
     assert _loss(logits, targets) == pytest.approx(_loss(ref, targets), rel=1e-6)
     f32 = _forward(run, with_weights(run.params, {p: np.asarray(dequantize(q))
