@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
-           "walsh_hadamard", "rht"]
+           "walsh_hadamard", "rht", "rht_transpose"]
 
 # Transformer Engine's fixed sign vector for 16-point RHT (docs/numerics.md).
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -56,15 +56,18 @@ def hadamard_matrix(n: int) -> np.ndarray:
 def rht_matrix(n: int = 16, signs: str | int = "te") -> np.ndarray:
     """The float32 matrix ``T = diag(s) H_n / sqrt(n)``.
 
-    ``signs="te"`` uses TE's vector (n = 16 only); an int seeds a fixed random ±1 vector."""
-    if signs == "te":
+    ``signs="te"`` uses TE's vector (n = 16 only); an int seeds a fixed random ±1 vector;
+    ``"none"`` is the plain normalized Hadamard transform (all signs +1: Quartet's forward)."""
+    if signs == "none":
+        s = np.ones(n)
+    elif signs == "te":
         if n != 16:
             raise ValueError(f"TE's sign vector has 16 entries; use an int seed for n={n}")
         s = np.array(TE_SIGNS, np.float64)
     elif isinstance(signs, int) and not isinstance(signs, bool):
         s = np.random.default_rng(signs).choice([-1.0, 1.0], n)
     else:
-        raise ValueError(f"signs={signs!r} must be 'te' or an int seed")
+        raise ValueError(f"signs={signs!r} must be 'te', 'none' or an int seed")
     return (s[:, None] * hadamard_matrix(n) / np.sqrt(n)).astype(np.float32)
 
 
@@ -104,3 +107,20 @@ def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int = "te") -> jax.Ar
     g = x.reshape(x.shape[:axis] + (-1, n) + x.shape[axis + 1:]).astype(jnp.float32)
     y = walsh_hadamard(g * s.reshape((n,) + (1,) * (x.ndim - 1 - axis)), axis + 1) * c
     return y.reshape(x.shape).astype(x.dtype)
+
+
+def rht_transpose(y: jax.Array, axis: int, length: int, n: int = 16,
+                  signs: str | int = "te") -> jax.Array:
+    """The transpose of :func:`rht`: groups of ``n`` along ``axis`` (a multiple of ``n``)
+    multiplied by ``T^T = c H_n diag(s)``, computed as ``fl(W(y) * c) * s`` (the same
+    butterflies), then cut to the first ``length`` entries. It maps a gradient with respect to
+    a transformed operand back to the untransformed one (``rht_transpose(rht(x)) = x`` up to
+    rounding)."""
+    axis = axis % y.ndim
+    if y.shape[axis] % n:
+        raise ValueError(f"rht_transpose needs axis {axis} (length {y.shape[axis]}) in whole "
+                         f"groups of {n=}")
+    s, c = rht_signs_and_scale(n, signs)
+    g = y.reshape(y.shape[:axis] + (-1, n) + y.shape[axis + 1:]).astype(jnp.float32)
+    x = walsh_hadamard(g, axis + 1) * c * s.reshape((n,) + (1,) * (y.ndim - 1 - axis))
+    return lax.slice_in_dim(x.reshape(y.shape), 0, length, axis=axis).astype(y.dtype)

@@ -48,7 +48,8 @@ def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=Non
 def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: dict,
             gemms: tuple[str, ...]) -> jax.Array:
     """The metrics rows of the operands of ``gemms`` (table order), from the canonical
-    ``tensors`` by role (``x``, ``w``, ``dy``), with each operand's key and delayed amax."""
+    ``tensors`` by role (``x``, ``w``, ``dy``; ``fwd_x``, ``fwd_w``: the forward's quantized
+    X and W, for operands requantized from them), with each operand's key and delayed amax."""
     quantized = recipe.quantized_operands
     rows = []
     for o in OPERAND_TABLE:
@@ -57,6 +58,8 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
         if o.name not in quantized:
             rows.append(jnp.full((len(METRIC_NAMES),), jnp.nan, jnp.float32))
             continue
-        rows.append(_operand_metrics(tensors[o.role], quantized[o.name], o.axis, keys[o.name],
-                                     recipe.hadamard_signs, amaxes[o.name]))
+        op = quantized[o.name]
+        src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[o.role]
+        rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
+                                     recipe.signs(recipe.operands[o.name]), amaxes[o.name]))
     return jnp.stack(rows)

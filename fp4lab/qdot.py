@@ -36,10 +36,10 @@ from jax import lax
 from fp4lab import backend as _backend
 from fp4lab import saved as _saved
 from fp4lab.delayed import history_amax
-from fp4lab.hadamard import rht
+from fp4lab.hadamard import rht, rht_transpose
 from fp4lab.einsum import plan_einsum
 from fp4lab.probes import PROBE_SHAPE, measure
-from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize
+from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize, trust_mask
 from fp4lab.rounding import abs_max
 from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
 
@@ -169,29 +169,76 @@ def _weight(w, recipe: Recipe, key, backend, amax):
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
                       key=key, backend=backend)
         return dequantize(qw), qw
-    return quantize_operand(w, op, AXIS["fprop_w"], key, recipe.hadamard_signs, backend,
+    return quantize_operand(w, op, AXIS["fprop_w"], key, recipe.signs(op), backend,
                             amax["fprop_w"]), None
 
 
 def _forward(x, w, keys, recipe: Recipe, backend, amax):
+    """``(Y, xq, wq, qw)``: the forward GEMM and its quantized operands (in the rotated
+    domain when the forward has a Hadamard transform; ``qw`` the reusable tiled weight)."""
     wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax)
     xq = quantize_operand(x, recipe.fprop_x, AXIS["fprop_x"], keys["fprop_x"],
-                          recipe.hadamard_signs, backend, amax["fprop_x"])
+                          recipe.signs(recipe.fprop_x), backend, amax["fprop_x"])
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, backend, amax):
-    s = recipe.hadamard_signs
+def _trust_masks(x, w, recipe: Recipe):
+    """Where the forward quantizers did not clip X and W (Quartet's trust estimator), in the
+    forward's (rotated) domain; ``None`` unless the recipe asks for it."""
+    if not recipe.trust:
+        return None
+    out = []
+    for name, t in (("fprop_x", x), ("fprop_w", w)):
+        op = recipe.operands[name]
+        if op.hadamard:
+            t = rht(t, AXIS[name], op.hadamard, recipe.signs(op))
+        out.append(trust_mask(t.astype(jnp.float32), op.format, axis=AXIS[name]))
+    return tuple(out)
+
+
+def _to_input_domain(g, name, recipe: Recipe, mask, length):
+    """A gradient with respect to the forward's quantized operand ``name`` (rotated domain
+    when the forward has a transform) as one with respect to the input: zero where the trust
+    mask says the forward clipped, then the transform's transpose, cut to ``length``."""
+    op = recipe.operands[name]
+    if mask is not None:
+        g = jnp.where(mask, g, jnp.zeros_like(g))
+    if op.hadamard:
+        g = rht_transpose(g, AXIS[name], length, op.hadamard, recipe.signs(op))
+    return g
+
+
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax):
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
 
     def q(name, t):
-        return quantize_operand(t, recipe.operands[name], AXIS[name], keys[name], s, backend,
+        op = recipe.operands[name]
+        return quantize_operand(t, op, AXIS[name], keys[name], recipe.signs(op), backend,
                                 amax[name])
 
-    wq2 = dequantize(qw) if qw is not None else q("dgrad_w", w)
+    # a backward operand requantized from the forward's lives in the forward's domain, and so
+    # does the gradient it gives; the trust mask is applied there too
+    x_dom = recipe.wgrad_x.source == "forward" or recipe.trust
+    w_dom = recipe.dgrad_w.source == "forward" or recipe.trust
+    if recipe.dgrad_w.source == "forward":
+        wq2 = q("dgrad_w", wq)
+    else:
+        wq2 = dequantize(qw) if qw is not None else q("dgrad_w", w)
+        if w_dom and recipe.fprop_x.hadamard:  # dX in the rotated domain, for the mask
+            wq2 = rht(wq2, AXIS["fprop_w"], recipe.fprop_x.hadamard,
+                      recipe.signs(recipe.fprop_x))
     dx = _mm(q("dgrad_dy", dy), wq2, _BMN_BKN)
-    return dx, _mm(q("wgrad_x", x), q("wgrad_dy", dy), _BMK_BMN)
+    if w_dom:
+        dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], x.shape[-1])
+    x_src = xq if recipe.wgrad_x.source == "forward" else x
+    dw = _mm(q("wgrad_x", x_src), q("wgrad_dy", dy), _BMK_BMN)
+    if x_dom:
+        if recipe.wgrad_x.source != "forward" and recipe.fprop_w.hadamard:
+            dw = rht(dw, AXIS["fprop_w"], recipe.fprop_w.hadamard,
+                     recipe.signs(recipe.fprop_w))
+        dw = _to_input_domain(dw, "fprop_w", recipe, masks and masks[1], w.shape[1])
+    return dx, dw
 
 
 def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
@@ -209,7 +256,7 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
         op = recipe.operands[o.name]
         k = (o.role, op.hadamard, o.axis if op.hadamard else None)
         if k not in seen:
-            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.hadamard_signs)
+            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.signs(op))
         observed.append(seen[k])
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
@@ -248,13 +295,15 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
     fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
                                                     ("fprop",))
+    keep = recipe.backward == "ste" or recipe.requantizes
     res = (_saved.store(x, recipe.saved_x), w, key) + (
-        (xq, wq) if recipe.backward == "ste" else (None, None)) + (qw, fwd_probes, history)
+        (xq, wq) if keep else (None, None)) + (qw, _trust_masks(x, w, recipe), fwd_probes,
+                                               history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
-    x, w, key, xq, wq, qw, fwd_probes, history = res
+    x, w, key, xq, wq, qw, masks, fwd_probes, history = res
     x = _saved.restore(x, recipe.saved_x)
     b, m, _, n = plan.bmkn
     # a constant cotangent (``loss = y.sum()``) would otherwise be quantized by XLA's
@@ -262,8 +311,8 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     dy = lax.optimization_barrier(g.reshape(b, m, n))
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
-    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, backend, amax)
-    tensors = {"x": x, "w": w, "dy": dy}
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax)
+    tensors = {"x": x, "w": w, "dy": dy, "fwd_x": xq, "fwd_w": wq}
     probes = None if fwd_probes is None else jnp.concatenate(
         [fwd_probes, measure(recipe, tensors, keys, amax, ("dgrad", "wgrad"))])
     seen = _history_grad(history, recipe, tensors)

@@ -42,12 +42,13 @@ from fp4lab import backend as _backend
 from fp4lab import rounding as rnd
 from fp4lab.formats import Format, get_format
 from fp4lab.qarray import QArray
+from fp4lab.scaling import group_blocks
 
 __all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key",
            "straight_through",
            # the XLA reference's steps, for measuring what it does (fp4lab.metrics)
            "check_arguments", "Geometry", "Blocks", "quantize_blocks", "dequantize_blocks",
-           "to_blocks", "from_blocks", "rounded_output"]
+           "to_blocks", "from_blocks", "rounded_output", "trust_mask"]
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -207,7 +208,11 @@ def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
         if fmt.is_passthrough and fmt.element.name not in ("bf16", "fp16"):
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
                              f"{fmt.name} (only bf16 and fp16)")
-    if fmt.scaling.amax_per_slice and (tile is not None or global_amax is not None):
+    if fmt.block and fmt.scaling.amax_group % fmt.block:
+        raise ValueError(f"format {fmt.name}: amax_group={fmt.scaling.amax_group} is not a "
+                         f"multiple of its block {fmt.block}")
+    if (fmt.scaling.amax_per_slice or fmt.scaling.amax_group) and (
+            tile is not None or global_amax is not None):
         raise ValueError(f"format {fmt.name} takes its amax per slice along the block axis: "
                          f"no 2D tile (got tile={tile}) and no global_amax")
     if global_amax is not None and not (fmt.has_global_scale or fmt.granularity == "tensor"):
@@ -245,19 +250,39 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
     if scheme.amax_per_slice:  # over the block axis's blocks, one per slice (keepdims)
         (inner,) = g.reduce_axes
         tensor_amax = rnd.abs_max(stat, axis=(inner - 1, inner), keepdims=True)
+    elif scheme.amax_group:  # one per amax_group elements along the block axis, per block
+        (inner,) = g.reduce_axes
+        tensor_amax = group_blocks(stat, inner, scheme.amax_group // g.block[0],
+                                   lambda s, a: rnd.abs_max(s, axis=a, keepdims=True))
     elif scheme.uses_tensor_amax:
         tensor_amax = global_amax if global_amax is not None else rnd.abs_max(stat)
     elif global_amax is not None:  # per-tensor scaling with a given amax
         stat = jnp.broadcast_to(global_amax, stat.shape)
-    scale, mult = scheme.encode_blocks(xb, stat, tensor_amax, elem, g.reduce_axes)
-    v = xb * mult
-    if rounding == "stochastic":
-        q = rnd.round_stochastic(v, elem, rnd.uniform(key, v.shape))
+    u_scale = None
+    if scheme.stochastic_scale and rounding == "stochastic":
+        u_scale = rnd.uniform(key, stat.shape)  # one per block: the scale is rounded
+    scale, mult = scheme.encode_blocks(xb, stat, tensor_amax, elem, g.reduce_axes, u_scale)
+    v = scheme.scale_elements(xb, mult)
+    if rounding == "stochastic" and not scheme.stochastic_scale:
+        q = scheme.round_stochastic(v, elem, rnd.uniform(key, v.shape))
     else:
         q = scheme.round_nearest(v, elem)
     if elem.kind == "int":
         q = jnp.where(q == 0, 0.0, q)  # integers have no -0
     return Blocks(v, q, scale, tensor_amax)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "axis"))
+def trust_mask(x: jax.Array, fmt: str | Format, *, axis: int = -1) -> jax.Array:
+    """Where quantizing ``x`` (round to nearest) leaves the scaled value strictly inside the
+    element range, ``|v| < max``: QuEST's trust estimator passes the gradient only there
+    (Quartet's ``mask = |v| < 6``; :func:`fake_quant`'s ``mask_saturated`` keeps ``|v| = max``
+    too). Bool, shaped like ``x``."""
+    x, fmt, g, _ = check_arguments(x, fmt, axis=axis)
+    if fmt.is_passthrough:
+        return jnp.ones(x.shape, bool)
+    b = quantize_blocks(x, fmt, g, "nearest", None, None)
+    return from_blocks(jnp.abs(b.v) < fmt.element.max, g)
 
 
 def _opaque_scales(scale, tensor_amax):
@@ -274,10 +299,7 @@ def dequantize_blocks(q, scale, tensor_amax, fmt: Format) -> jax.Array:
     dequantized values in float32, blocked layout. Pass the result through
     :func:`rounded_output` before anything else consumes it."""
     scale, tensor_amax = _opaque_scales(scale, tensor_amax)
-    y = q
-    for m in fmt.scaling.decode(scale, tensor_amax, fmt.element):
-        y = y * m
-    return y
+    return fmt.scaling.dequantize(q, scale, tensor_amax, fmt.element)
 
 
 def _cast(x, fmt: Format, rounding, key):

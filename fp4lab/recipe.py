@@ -39,14 +39,22 @@ class OperandQuant:
       tile: 2D tile for weights, e.g. ``(16, 16)``; then the operand is quantized once and
         serves every GEMM that uses the same spec.
       rounding: ``"nearest"`` or ``"stochastic"`` (needs a key at call time).
-      hadamard: random Hadamard transform group size along the quantization axis (wgrad
-        operands only), 0 for none.
+      hadamard: random Hadamard transform group size along the quantization axis, 0 for
+        none. On the forward operands both must use the same transform (it cancels in the
+        product); the forward's output is then computed, and saved, in the rotated domain.
+      hadamard_signs: the sign vector of this operand's transform (``"te"``, ``"none"``, an
+        int seed); ``None``: the recipe's ``hadamard_signs``.
+      source: ``"input"`` (quantize the high-precision tensor) or, for ``dgrad_w`` and
+        ``wgrad_x``, ``"forward"``: quantize the forward GEMM's quantized W or X again (as
+        Quartet, Quartet II and TetraJet-v2 do: the backward never sees the master copy).
     """
 
     format: str | Format = "bf16"
     tile: tuple[int, int] | None = None
     rounding: Literal["nearest", "stochastic"] = "nearest"
     hadamard: int = 0
+    hadamard_signs: str | int | None = None
+    source: Literal["input", "forward"] = "input"
 
     def __post_init__(self):
         object.__setattr__(self, "format", get_format(self.format))
@@ -56,6 +64,8 @@ class OperandQuant:
             raise ValueError(f"rounding={self.rounding!r} is not 'nearest' or 'stochastic'")
         if self.hadamard < 0 or (self.hadamard & (self.hadamard - 1)):
             raise ValueError(f"hadamard={self.hadamard} must be 0 or a power of two")
+        if self.source not in ("input", "forward"):
+            raise ValueError(f"source={self.source!r} is not 'input' or 'forward'")
 
     @property
     def is_identity(self) -> bool:
@@ -68,7 +78,10 @@ class OperandQuant:
         if self.rounding == "stochastic":
             s += " SR"
         if self.hadamard:
-            s += f" RHT{self.hadamard}"
+            s += (f" H{self.hadamard}" if self.hadamard_signs == "none"
+                  else f" RHT{self.hadamard}")
+        if self.source == "forward":
+            s += " of fwd"
         return s
 
 
@@ -117,17 +130,45 @@ class Recipe:
     hadamard_signs: str | int = "te"
     delayed: DelayedScaling | None = None
     saved_x: SavedX | None = None  # None: the GEMM saves X as it came (today's)
+    trust: bool = False
     follows: str = ""
 
     def __post_init__(self):
         if self.backward not in ("quantized", "ste"):
             raise ValueError(f"backward={self.backward!r} is not 'quantized' or 'ste'")
+        for o in OPERAND_TABLE:
+            if getattr(self, o.name).source == "forward" and o.name not in (
+                    "dgrad_w", "wgrad_x"):
+                raise ValueError(f"recipe {self.name}: {o.name} has source='forward'; only "
+                                 "dgrad_w and wgrad_x can requantize the forward's operand")
+        fx, fw = self.fprop_x, self.fprop_w
+        if (fx.hadamard, self.signs(fx)) != (fw.hadamard, self.signs(fw)):
+            raise ValueError(f"recipe {self.name}: fprop_x and fprop_w must use the same "
+                             f"transform (got hadamard {fx.hadamard}/{fw.hadamard}, signs "
+                             f"{self.signs(fx)!r}/{self.signs(fw)!r}): it has to cancel in Y")
+        if fx.hadamard and fw.tile:
+            raise ValueError(f"recipe {self.name}: a forward Hadamard transform runs along K, "
+                             f"a 2D weight tile (tile={fw.tile}) cannot follow it")
+        if (self.requantizes or self.trust) and (self.backward == "ste" or self.saved_x
+                                                 or self.delayed):
+            raise ValueError(f"recipe {self.name}: requantizing the forward's operands and "
+                             "the trust mask need backward='quantized', no saved_x and no "
+                             "delayed scaling")
         if self.saved_x is not None and self.backward == "ste":
             raise ValueError(f"recipe {self.name}: saved_x needs backward='quantized' (a QAT "
                              "recipe's backward uses the quantized forward operands)")
         if self.delayed is not None and not self.delayed_operands:
             raise ValueError(f"recipe {self.name}: delayed scaling needs a per-tensor operand "
                              "format (fp8_e4m3, fp8_e5m2, ...); none of its operands has one")
+
+    def signs(self, op: OperandQuant) -> str | int:
+        """The sign vector of ``op``'s Hadamard transform (its own, else the recipe's)."""
+        return self.hadamard_signs if op.hadamard_signs is None else op.hadamard_signs
+
+    @property
+    def requantizes(self) -> bool:
+        """True when a backward operand is quantized from the forward's quantized tensor."""
+        return self.dgrad_w.source == "forward" or self.wgrad_x.source == "forward"
 
     @property
     def delayed_operands(self) -> tuple[str, ...]:
@@ -168,6 +209,8 @@ class Recipe:
                      f"margin {d.margin})")
         if self.saved_x:
             text += f"; {self.saved_x.describe()}"
+        if self.trust:
+            text += "; trust mask (gradient only where the forward did not clip)"
         return text
 
 
@@ -259,6 +302,51 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         follows="'Training LLMs with MXFP4' (Tseng et al. 2025): RHT and SR in the backward "
                 "pass (the paper uses RHT groups up to 256 and BF16 forward in places)",
     ),
+    Recipe(
+        name="quartet",
+        fprop_x=_op("quest_mxfp4", hadamard=32, hadamard_signs="none"),
+        fprop_w=_op("quest_mxfp4", hadamard=32, hadamard_signs="none"),
+        dgrad_dy=_op("tseng_mxfp4", rounding="stochastic", hadamard=32),
+        dgrad_w=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
+        wgrad_x=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
+        wgrad_dy=_op("tseng_mxfp4", rounding="stochastic", hadamard=32),
+        trust=True, hadamard_signs=0,
+        follows="Quartet (arXiv 2505.14669; IST-DASLab/Quartet 00ccd38): QuEST MXFP4 after a "
+                "fixed H32 forward with the trust mask, Tseng SR MXFP4 after H32 with random "
+                "signs on all four backward operands, W and X requantized from the forward's; "
+                "one fixed sign vector here, the authors redraw it every backward"),
+    Recipe(
+        name="quartet_ii",
+        fprop_x=_op("nvfp4_quartet2_4over6"), fprop_w=_op("nvfp4_quartet2_4over6"),
+        dgrad_dy=_op("nvfp4_eden", rounding="stochastic", hadamard=128),
+        dgrad_w=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
+        wgrad_x=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
+        wgrad_dy=_op("nvfp4_eden", rounding="stochastic", hadamard=128),
+        hadamard_signs=0,
+        follows="Quartet II (arXiv 2601.22813; IST-DASLab/Quartet-II 8776a90, the Triton "
+                "scheme): NVFP4 1x16 forward with Four Over Six, MS-EDEN after RHT128 on all "
+                "four backward operands, W and X requantized from the forward's"),
+    Recipe(
+        name="tetrajet_v2",
+        fprop_x=_op("nvfp4_double"), fprop_w=_op("nvfp4_double"),
+        dgrad_dy=_op("nvfp4_double", rounding="stochastic", hadamard=16),
+        dgrad_w=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
+        wgrad_x=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
+        wgrad_dy=_op("nvfp4_double", rounding="stochastic", hadamard=16),
+        hadamard_signs=0,
+        follows="TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f): "
+                "double-block NVFP4 (outer float32 scale per 128), RTN forward, RHT16 and "
+                "dithered SR on the four backward operands, W and X requantized from the "
+                "forward's; OsciReset and OutControl are not part of this recipe"),
+    Recipe(
+        name="fp4_all_the_way",
+        fprop_x=_op("nvfp4_atw"), fprop_w=_op("nvfp4_atw"),
+        dgrad_dy=_op("nvfp4_atw", rounding="stochastic"), dgrad_w=_op("nvfp4_atw"),
+        wgrad_x=_op("nvfp4_atw", rounding="stochastic"),
+        wgrad_dy=_op("nvfp4_atw", rounding="stochastic"),
+        follows="FP4 All the Way (arXiv 2505.19115): its NVFP4 quantizer (E4M3 encode "
+                "factors, FP8 max 448), round-to-nearest forward, SR in the backward (dgrad's "
+                "dY) and update (wgrad) GEMMs, blocks along each GEMM's reduction axis"),
     _nvfp4("nvfp4", follows=_NVFP4_PAPER + ": 1D 16-blocks for X and dY, 16x16 2D weights, "
            "RHT16 on wgrad inputs, SR on gradients"),
     _nvfp4("nvfp4_no_rht", rht=0, follows="nvfp4 ablation: no random Hadamard transform"),

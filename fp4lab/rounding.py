@@ -38,6 +38,7 @@ __all__ = [
     "round_to_bf16",
     "uniform",
     "saturate",
+    "round_nearest_ties",
     "encode",
     "decode",
     "pack_nibbles",
@@ -123,6 +124,24 @@ def round_nearest(v: jax.Array, fmt: ElementFormat) -> jax.Array:
     a = jnp.minimum(jnp.abs(v), fmt.max)
     t, ulp = _float_grid_scaled(a, fmt)
     return jnp.copysign(jnp.round(t) * ulp, v)
+
+
+def round_nearest_ties(v: jax.Array, fmt: ElementFormat, ties: str) -> jax.Array:
+    """Round float32 ``v`` to the nearest value of the minifloat ``fmt``, saturating, with
+    halfway cases going ``"toward_zero"`` or ``"away"`` from zero instead of to even (the
+    quantizers of Quartet and Quartet II, which compare against the midpoints with ``>`` and
+    ``>=``). Exact: ``t = |v| / ulp`` is a scaling by a power of two and ``t - floor(t)`` is
+    exact, so the comparison with 0.5 is too (``floor(t + 0.5)`` is not: for ``|v|`` one ulp
+    below 0.25, ``t + 0.5`` rounds up to 1). The sign is ``v``'s (NaN stays NaN)."""
+    if ties not in ("toward_zero", "away"):
+        raise ValueError(f"{ties=} is not 'toward_zero' or 'away'")
+    v = v.astype(jnp.float32)
+    a = jnp.minimum(jnp.abs(v), fmt.max)
+    t, ulp = _float_grid_scaled(a, fmt)
+    f = jnp.floor(t)
+    up = (t - f > 0.5) if ties == "toward_zero" else (t - f >= 0.5)
+    r = f + up.astype(jnp.float32)
+    return jnp.copysign(jnp.minimum(r * ulp, fmt.max), v)
 
 
 def round_stochastic(v: jax.Array, fmt: ElementFormat, u: jax.Array) -> jax.Array:

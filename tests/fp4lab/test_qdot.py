@@ -50,26 +50,64 @@ def dot(a, b):
                       preferred_element_type=jnp.float32)
 
 
+def block_diagonal_rht(length, n, signs):
+    """The dense matrix ``Tb`` (length x length, a multiple of n) with ``rht(x, -1) = x @ Tb``
+    for a row vector x, from :func:`rht_matrix` (not the butterflies)."""
+    return np.kron(np.eye(length // n), rht_matrix(n, signs).astype(np.float64))
+
+
+def trust_oracle(v, op, axis):
+    """QuEST's trust mask ``|v / 2**e| < 6``, e from the stored E8M0 bytes of ``v``'s blocks."""
+    q = fp4lab.quantize(v.astype(jnp.float32), op.format, axis=axis)
+    e = np.asarray(q.scale).astype(np.int64) - 127
+    s = np.repeat(2.0 ** e, op.format.block, axis=axis)
+    return np.abs(np.asarray(v, np.float64) / s) < op.format.element.max
+
+
 def oracle(x, w, g, recipe, key):
-    """(y, dx, dw) for Y = X W with X (M,K), W (K,N), dY (M,N); keys fold_in(key, 0..5)."""
+    """(y, dx, dw) for Y = X W with X (M,K), W (K,N), dY (M,N); keys fold_in(key, 0..5).
+    Operands ``source="forward"`` requantize the forward's X or W; with a forward transform
+    the backward GEMMs give gradients in its domain, mapped back by ``Tb^T`` (dX) and ``Tb``
+    (dW) after the trust mask (Quartet)."""
     r = get_recipe(recipe)
     k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
     h = history_for(r)
     a = [None if h is None else jnp.max(h[i]) for i in range(6)]
-    xq = oracle_operand(x, r.fprop_x, 1, k[0], amax=a[0])
-    wq = oracle_operand(w, r.fprop_w, 0, k[1], amax=a[1])
+    sx = r.signs(r.fprop_x)
+    xq = oracle_operand(x, r.fprop_x, 1, k[0], sx, amax=a[0])
+    wq = oracle_operand(w, r.fprop_w, 0, k[1], sx, amax=a[1])
     y = dot(xq, wq)
     if r.backward == "ste":
         return y, dot(g, wq.T), dot(xq.T, g)
-    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], amax=a[2])
-    wq2 = wq if (r.fprop_w.tile and r.fprop_w == r.dgrad_w) else oracle_operand(
-        w, r.dgrad_w, 1, k[3], amax=a[3])
+    n_h = r.fprop_x.hadamard
+    tb = block_diagonal_rht(xq.shape[1], n_h, sx) if n_h else None
+    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], r.signs(r.dgrad_dy), amax=a[2])
+    if r.dgrad_w.source == "forward":
+        wq2 = oracle_operand(wq, r.dgrad_w, 1, k[3], r.signs(r.dgrad_w))
+    elif r.fprop_w.tile and r.fprop_w == r.dgrad_w:
+        wq2 = wq
+    else:
+        wq2 = oracle_operand(w, r.dgrad_w, 1, k[3], r.signs(r.dgrad_w), amax=a[3])
+        if r.trust and n_h:
+            wq2 = jnp.asarray(tb.T @ np.asarray(wq2, np.float64), jnp.float32)
     dx = dot(dyq, wq2.T)
+    if r.trust:
+        dx = jnp.where(trust_oracle(rht(x, 1, n_h, sx) if n_h else x, r.fprop_x, 1), dx, 0)
+    if tb is not None:
+        dx = jnp.asarray((np.asarray(dx, np.float64) @ tb.T)[:, :x.shape[1]], jnp.float32)
     if r.saved_x is not None:  # the backward pass finds X as stored: DQ(Q(X)) along K
         x = oracle_operand(x, OperandQuant(format=r.saved_x.format), 1, None).astype(x.dtype)
-    xq3 = oracle_operand(x, r.wgrad_x, 0, k[4], r.hadamard_signs, amax=a[4])
-    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.hadamard_signs, amax=a[5])
-    return y, dx, dot(xq3.T, dyq3)
+    x_src = xq if r.wgrad_x.source == "forward" else x
+    xq3 = oracle_operand(x_src, r.wgrad_x, 0, k[4], r.signs(r.wgrad_x), amax=a[4])
+    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.signs(r.wgrad_dy), amax=a[5])
+    dw = dot(xq3.T, dyq3)
+    if r.trust:
+        if r.wgrad_x.source != "forward" and n_h:
+            dw = jnp.asarray(tb.T @ np.asarray(dw, np.float64), jnp.float32)
+        dw = jnp.where(trust_oracle(rht(w, 0, n_h, sx) if n_h else w, r.fprop_w, 0), dw, 0)
+    if tb is not None:
+        dw = jnp.asarray((tb @ np.asarray(dw, np.float64))[:w.shape[0]], jnp.float32)
+    return y, dx, dw
 
 
 def assert_equal_up_to_sum_order(a, b):
