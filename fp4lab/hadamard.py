@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
-           "walsh_hadamard", "rht", "rht_transpose"]
+           "walsh_hadamard", "rht", "rht_transpose", "random_signs"]
 
 # Transformer Engine's fixed sign vector for 16-point RHT (docs/numerics.md).
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -77,6 +77,23 @@ def rht_signs_and_scale(n: int = 16, signs: str | int = "te") -> tuple[np.ndarra
     return np.sign(t[:, 0]), np.abs(t[0, 0])
 
 
+def _factors(n: int, signs):
+    """``(s, c)`` of :func:`rht_signs_and_scale`, or a traced sign vector (``jax.Array``,
+    shape (n,), entries +-1: a transform drawn per call) with the same ``c``."""
+    if isinstance(signs, jax.Array):
+        if signs.shape != (n,):
+            raise ValueError(f"a sign vector for n={n} must have shape ({n},), got "
+                             f"{signs.shape}")
+        return signs.astype(jnp.float32), rht_signs_and_scale(n, "none")[1]
+    return rht_signs_and_scale(n, signs)
+
+
+def random_signs(key: jax.Array, n: int) -> jax.Array:
+    """A uniformly random +-1 float32 vector of length ``n`` drawn from ``key`` (the sign
+    vector of a transform redrawn at every call, as Quartet, Quartet II and TetraJet-v2 do)."""
+    return jax.random.rademacher(key, (n,), jnp.float32)
+
+
 def walsh_hadamard(u: jax.Array, axis: int = -1) -> jax.Array:
     """The unnormalized Sylvester Walsh-Hadamard transform ``H_n u`` along ``axis``, as
     butterflies ``h = 1, 2, 4, ...`` in ``u``'s dtype (``rht`` passes float32; the summation
@@ -93,13 +110,15 @@ def walsh_hadamard(u: jax.Array, axis: int = -1) -> jax.Array:
     return u
 
 
-def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int = "te") -> jax.Array:
+def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int | jax.Array = "te"
+        ) -> jax.Array:
     """Apply the RHT to groups of ``n`` along ``axis``; the output's ``axis`` has length
-    ``ceil(len / n) * n`` (see module docstring)."""
+    ``ceil(len / n) * n`` (see module docstring). ``signs``: as :func:`rht_matrix`, or a
+    +-1 vector (:func:`random_signs`)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"rht needs a floating-point input, got {x.dtype}")
     axis = axis % x.ndim
-    s, c = rht_signs_and_scale(n, signs)
+    s, c = _factors(n, signs)
     pad = -x.shape[axis] % n
     if pad:
         x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
@@ -120,7 +139,7 @@ def rht_transpose(y: jax.Array, axis: int, length: int, n: int = 16,
     if y.shape[axis] % n:
         raise ValueError(f"rht_transpose needs axis {axis} (length {y.shape[axis]}) in whole "
                          f"groups of {n=}")
-    s, c = rht_signs_and_scale(n, signs)
+    s, c = _factors(n, signs)
     g = y.reshape(y.shape[:axis] + (-1, n) + y.shape[axis + 1:]).astype(jnp.float32)
     x = walsh_hadamard(g, axis + 1) * c * s.reshape((n,) + (1,) * (y.ndim - 1 - axis))
     return lax.slice_in_dim(x.reshape(y.shape), 0, length, axis=axis).astype(y.dtype)

@@ -21,6 +21,15 @@
   tensor for pass-through formats): Transformer Engine's ``max_blockwise_dynamic_range``
   (``debug/features/utils/stats_computation.py``), the range a block's one scale must span.
 * ``map4_share``: the fraction of blocks Four Over Six maps to 4 (0 for every other format).
+* ``noise_ratio``: ``||x|| / sqrt(E||SR(x) - x||²)``, the tensor's norm over the standard
+  deviation of the noise stochastic rounding onto the format would add (from the format's
+  own scales: ``sum m² (|v| - lo)(hi - |v|)`` for each scaled element ``v`` between grid
+  neighbours ``lo``, ``hi``, ``m`` its dequantization multiplier, plus ``m² (|v| - max)²``
+  where it clips), whatever the operand's own rounding. FP4 All the Way (arXiv 2505.19115)
+  argues that quantized training stops helping once the gradient's norm falls below about
+  ``sqrt(3)`` times its quantization noise: on the gradient operands (``dgrad_dy``,
+  ``wgrad_dy``) this is that ratio for the operand (the paper's exact definition, which
+  gradient and which noise, could not be read here: docs/recipes/fp4_all_the_way.md).
 
 Padding added to reach a whole block is excluded from every count.
 """
@@ -41,7 +50,7 @@ from fp4lab.scaling import FourOverSixScale
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
 METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "sqnr_db",
-                "bad_scales", "block_dynamic_range", "map4_share")
+                "bad_scales", "block_dynamic_range", "map4_share", "noise_ratio")
 
 
 def _rate(count: jax.Array, total) -> jax.Array:
@@ -90,14 +99,27 @@ def _map4_share(xb, b, fmt: Format, axes) -> jax.Array:
     return _rate(jnp.sum(four, dtype=jnp.int32), jnp.int32(four.size))
 
 
+def _noise_ratio(signal, v, multiplier, element) -> jax.Array:
+    """``sqrt(signal / E||SR - x||²)`` from the scaled values ``v`` and their multipliers."""
+    a = jnp.abs(v)
+    inside = jnp.minimum(a, element.max)
+    lo, hi = rounding.grid_neighbours(inside, element)
+    var = (inside - lo) * (hi - inside) + jnp.square(a - inside)
+    noise = jnp.sum(jnp.where(jnp.isfinite(var), jnp.square(multiplier) * var, 0.0))
+    return jnp.sqrt(signal / noise)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding"))
 def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
     if fmt.is_passthrough:
         y = x.astype(fmt.element.storage)
         zero = jnp.float32(0)
+        signal = jnp.sum(jnp.square(x.astype(jnp.float32)))
         return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero,
                 "block_dynamic_range": _block_dynamic_range(x.reshape(-1), (0,)),
-                "map4_share": zero}
+                "map4_share": zero,
+                "noise_ratio": _noise_ratio(signal, x.astype(jnp.float32), jnp.float32(1),
+                                            fmt.element)}
     b = quantize_blocks(x, fmt, g, rounding, key, global_amax)
     xb = to_blocks(x.astype(jnp.float32), g)
     # the dequantized values rounded (no FMA with the subtraction in error_metrics)
@@ -111,6 +133,9 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
         "bad_scales": _rate(jnp.sum(bad, dtype=jnp.int32), jnp.int32(bad.size)),
         "block_dynamic_range": _block_dynamic_range(xb, g.reduce_axes),
         "map4_share": _map4_share(xb, b, fmt, g.reduce_axes),
+        "noise_ratio": _noise_ratio(jnp.sum(jnp.square(xb)), b.v, fmt.scaling.dequantize(
+            jnp.ones_like(b.v), b.scale, b.tensor_amax, fmt.element),
+            fmt.element),
     }
 
 

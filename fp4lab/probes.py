@@ -46,10 +46,11 @@ def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=Non
 
 
 def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: dict,
-            gemms: tuple[str, ...]) -> jax.Array:
+            signs: dict, gemms: tuple[str, ...]) -> jax.Array:
     """The metrics rows of the operands of ``gemms`` (table order), from the canonical
     ``tensors`` by role (``x``, ``w``, ``dy``; ``fwd_x``, ``fwd_w``: the forward's quantized
-    X and W, for operands requantized from them), with each operand's key and delayed amax."""
+    X and W, for operands requantized from them), with each operand's key, delayed amax and
+    Hadamard signs (``fp4lab.qdot.operand_signs``)."""
     quantized = recipe.quantized_operands
     rows = []
     for o in OPERAND_TABLE:
@@ -61,5 +62,5 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
         op = quantized[o.name]
         src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[o.role]
         rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
-                                     recipe.signs(recipe.operands[o.name]), amaxes[o.name]))
+                                     signs[o.name], amaxes[o.name]))
     return jnp.stack(rows)

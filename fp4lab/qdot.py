@@ -36,14 +36,15 @@ from jax import lax
 from fp4lab import backend as _backend
 from fp4lab import saved as _saved
 from fp4lab.delayed import history_amax
-from fp4lab.hadamard import rht, rht_transpose
+from fp4lab.hadamard import random_signs, rht, rht_transpose
 from fp4lab.einsum import plan_einsum
 from fp4lab.probes import PROBE_SHAPE, measure
 from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize, trust_mask
 from fp4lab.rounding import abs_max
 from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
 
-__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "saved_bytes"]
+__all__ = ["qdot_general", "qeinsum", "quantize_operand", "operand_keys", "operand_signs",
+           "saved_bytes"]
 
 AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
 _BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N)
@@ -58,6 +59,25 @@ def operand_keys(key) -> dict[str, jax.Array | None]:
     return {name: jax.random.fold_in(key, i) for i, name in enumerate(OPERANDS)}
 
 
+_GEMM_INDEX = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+
+
+def operand_signs(recipe: Recipe, key) -> dict:
+    """Each operand's Hadamard sign vector: the recipe's fixed one (``"te"``, ``"none"``, a
+    seed), or for ``"random"`` a vector drawn from ``key`` per GEMM and call, shared by the
+    GEMM's two operands so that the transform cancels (the authors of Quartet, Quartet II and
+    TetraJet-v2 redraw theirs at every call)."""
+    out = {}
+    for o in OPERAND_TABLE:
+        op = recipe.operands[o.name]
+        s = recipe.signs(op)
+        if s == "random" and op.hadamard:
+            s = random_signs(jax.random.fold_in(key, len(OPERANDS) + _GEMM_INDEX[o.gemm]),
+                             op.hadamard)
+        out[o.name] = s
+    return out
+
+
 def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
                      backend: str = "auto", global_amax=None) -> jax.Array:
     """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
@@ -67,7 +87,8 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
     the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``. ``global_amax``: the
     per-tensor amax to scale for (delayed scaling), instead of the operand's own."""
-    if op.hadamard and axis == 1 and x.ndim == 3 and not op.tile and global_amax is None:
+    if (op.hadamard and axis == 1 and x.ndim == 3 and not op.tile and global_amax is None
+            and not isinstance(signs, jax.Array)):
         tokens_first = x[0] if x.shape[0] == 1 else x  # the kernel takes one matrix
         kernel = _backend.decide(backend, _backend.Request(
             op="rht_quantize", format=op.format, shape=tokens_first.shape, axis=-2,
@@ -162,27 +183,27 @@ def _observed(x, op: OperandQuant, axis: int, signs) -> jax.Array:
     return abs_max(x)
 
 
-def _weight(w, recipe: Recipe, key, backend, amax):
+def _weight(w, recipe: Recipe, key, backend, amax, signs):
     """fprop W, and a QArray to reuse in dgrad when both GEMMs use the same tiled spec."""
     op = recipe.fprop_w
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
                       key=key, backend=backend)
         return dequantize(qw), qw
-    return quantize_operand(w, op, AXIS["fprop_w"], key, recipe.signs(op), backend,
+    return quantize_operand(w, op, AXIS["fprop_w"], key, signs["fprop_w"], backend,
                             amax["fprop_w"]), None
 
 
-def _forward(x, w, keys, recipe: Recipe, backend, amax):
+def _forward(x, w, keys, recipe: Recipe, backend, amax, signs):
     """``(Y, xq, wq, qw)``: the forward GEMM and its quantized operands (in the rotated
     domain when the forward has a Hadamard transform; ``qw`` the reusable tiled weight)."""
-    wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax)
+    wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax, signs)
     xq = quantize_operand(x, recipe.fprop_x, AXIS["fprop_x"], keys["fprop_x"],
-                          recipe.signs(recipe.fprop_x), backend, amax["fprop_x"])
+                          signs["fprop_x"], backend, amax["fprop_x"])
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
 
 
-def _trust_masks(x, w, recipe: Recipe):
+def _trust_masks(x, w, recipe: Recipe, signs):
     """Where the forward quantizers did not clip X and W (Quartet's trust estimator), in the
     forward's (rotated) domain; ``None`` unless the recipe asks for it."""
     if not recipe.trust:
@@ -191,12 +212,12 @@ def _trust_masks(x, w, recipe: Recipe):
     for name, t in (("fprop_x", x), ("fprop_w", w)):
         op = recipe.operands[name]
         if op.hadamard:
-            t = rht(t, AXIS[name], op.hadamard, recipe.signs(op))
+            t = rht(t, AXIS[name], op.hadamard, signs[name])
         out.append(trust_mask(t.astype(jnp.float32), op.format, axis=AXIS[name]))
     return tuple(out)
 
 
-def _to_input_domain(g, name, recipe: Recipe, mask, length):
+def _to_input_domain(g, name, recipe: Recipe, mask, length, signs):
     """A gradient with respect to the forward's quantized operand ``name`` (rotated domain
     when the forward has a transform) as one with respect to the input: zero where the trust
     mask says the forward clipped, then the transform's transpose, cut to ``length``."""
@@ -204,17 +225,17 @@ def _to_input_domain(g, name, recipe: Recipe, mask, length):
     if mask is not None:
         g = jnp.where(mask, g, jnp.zeros_like(g))
     if op.hadamard:
-        g = rht_transpose(g, AXIS[name], length, op.hadamard, recipe.signs(op))
+        g = rht_transpose(g, AXIS[name], length, op.hadamard, signs[name])
     return g
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax):
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, signs):
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
 
     def q(name, t):
         op = recipe.operands[name]
-        return quantize_operand(t, op, AXIS[name], keys[name], recipe.signs(op), backend,
+        return quantize_operand(t, op, AXIS[name], keys[name], signs[name], backend,
                                 amax[name])
 
     # a backward operand requantized from the forward's lives in the forward's domain, and so
@@ -226,18 +247,16 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax):
     else:
         wq2 = dequantize(qw) if qw is not None else q("dgrad_w", w)
         if w_dom and recipe.fprop_x.hadamard:  # dX in the rotated domain, for the mask
-            wq2 = rht(wq2, AXIS["fprop_w"], recipe.fprop_x.hadamard,
-                      recipe.signs(recipe.fprop_x))
+            wq2 = rht(wq2, AXIS["fprop_w"], recipe.fprop_x.hadamard, signs["fprop_w"])
     dx = _mm(q("dgrad_dy", dy), wq2, _BMN_BKN)
     if w_dom:
-        dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], x.shape[-1])
+        dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], x.shape[-1], signs)
     x_src = xq if recipe.wgrad_x.source == "forward" else x
     dw = _mm(q("wgrad_x", x_src), q("wgrad_dy", dy), _BMK_BMN)
     if x_dom:
         if recipe.wgrad_x.source != "forward" and recipe.fprop_w.hadamard:
-            dw = rht(dw, AXIS["fprop_w"], recipe.fprop_w.hadamard,
-                     recipe.signs(recipe.fprop_w))
-        dw = _to_input_domain(dw, "fprop_w", recipe, masks and masks[1], w.shape[1])
+            dw = rht(dw, AXIS["fprop_w"], recipe.fprop_w.hadamard, signs["fprop_w"])
+        dw = _to_input_domain(dw, "fprop_w", recipe, masks and masks[1], w.shape[1], signs)
     return dx, dw
 
 
@@ -256,7 +275,7 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
         op = recipe.operands[o.name]
         k = (o.role, op.hadamard, o.axis if op.hadamard else None)
         if k not in seen:
-            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.signs(op))
+            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.signs(op))  # fixed signs
         observed.append(seen[k])
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
@@ -284,7 +303,7 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
 def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     x, w = _to_canon(lhs, rhs, plan)
     amax = _delayed_amaxes(recipe, history)
-    y = _forward(x, w, operand_keys(key), recipe, backend, amax)[0]
+    y = _forward(x, w, operand_keys(key), recipe, backend, amax, operand_signs(recipe, key))[0]
     return y.reshape(plan.out_shape).astype(out_dtype)
 
 
@@ -292,12 +311,14 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
     x, w = _to_canon(lhs, rhs, plan)
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
-    y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax)
+    signs = operand_signs(recipe, key)
+    y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax, signs)
     fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
+                                                    signs,
                                                     ("fprop",))
     keep = recipe.backward == "ste" or recipe.requantizes
     res = (_saved.store(x, recipe.saved_x), w, key) + (
-        (xq, wq) if keep else (None, None)) + (qw, _trust_masks(x, w, recipe), fwd_probes,
+        (xq, wq) if keep else (None, None)) + (qw, _trust_masks(x, w, recipe, signs), fwd_probes,
                                                history)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
@@ -311,10 +332,11 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     dy = lax.optimization_barrier(g.reshape(b, m, n))
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
-    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax)
+    signs = operand_signs(recipe, key)
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax, signs)
     tensors = {"x": x, "w": w, "dy": dy, "fwd_x": xq, "fwd_w": wq}
     probes = None if fwd_probes is None else jnp.concatenate(
-        [fwd_probes, measure(recipe, tensors, keys, amax, ("dgrad", "wgrad"))])
+        [fwd_probes, measure(recipe, tensors, keys, amax, signs, ("dgrad", "wgrad"))])
     seen = _history_grad(history, recipe, tensors)
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
             _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes, seen)

@@ -114,7 +114,9 @@ class Recipe:
     """Quantization of the six GEMM operands of a linear layer (see module docstring).
 
     ``hadamard_signs`` selects the RHT sign vector: ``"te"`` (Transformer Engine's fixed
-    16-entry vector) or an int seed for a fixed random one shared by all layers.
+    16-entry vector), an int seed for a fixed random one shared by all layers, or
+    ``"random"``: one drawn from the GEMM's key at every call, per GEMM (shared by its two
+    operands), as Quartet, Quartet II and TetraJet-v2 redraw theirs.
     ``delayed``: scale the per-tensor operands from an amax history (:mod:`fp4lab.delayed`);
     the GEMM then needs ``amax_history=``.
     """
@@ -141,11 +143,20 @@ class Recipe:
                     "dgrad_w", "wgrad_x"):
                 raise ValueError(f"recipe {self.name}: {o.name} has source='forward'; only "
                                  "dgrad_w and wgrad_x can requantize the forward's operand")
+        for gemm, (a, b) in (("fprop", ("fprop_x", "fprop_w")), ("dgrad", ("dgrad_dy", "dgrad_w")),
+                             ("wgrad", ("wgrad_x", "wgrad_dy"))):
+            oa, ob = getattr(self, a), getattr(self, b)
+            if (oa.hadamard, self.signs(oa)) != (ob.hadamard, self.signs(ob)):
+                raise ValueError(
+                    f"recipe {self.name}: {a} and {b} must use the same transform (got "
+                    f"hadamard {oa.hadamard}/{ob.hadamard}, signs {self.signs(oa)!r}/"
+                    f"{self.signs(ob)!r}): it has to cancel in the {gemm} GEMM")
         fx, fw = self.fprop_x, self.fprop_w
-        if (fx.hadamard, self.signs(fx)) != (fw.hadamard, self.signs(fw)):
-            raise ValueError(f"recipe {self.name}: fprop_x and fprop_w must use the same "
-                             f"transform (got hadamard {fx.hadamard}/{fw.hadamard}, signs "
-                             f"{self.signs(fx)!r}/{self.signs(fw)!r}): it has to cancel in Y")
+        if self.delayed is not None and "random" in (self.signs(o) for o in
+                                                     self.operands.values()):
+            raise ValueError(f"recipe {self.name}: delayed scaling observes each operand's "
+                             "amax after a fixed transform; hadamard_signs='random' is not "
+                             "supported with it")
         if fx.hadamard and fw.tile:
             raise ValueError(f"recipe {self.name}: a forward Hadamard transform runs along K, "
                              f"a 2D weight tile (tile={fw.tile}) cannot follow it")
@@ -191,7 +202,8 @@ class Recipe:
 
     @property
     def needs_key(self) -> bool:
-        return any(o.rounding == "stochastic" for o in self.quantized_operands.values())
+        return any(o.rounding == "stochastic" or (o.hadamard and self.signs(o) == "random")
+                   for o in self.quantized_operands.values())
 
     @property
     def is_identity(self) -> bool:
@@ -310,11 +322,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         dgrad_w=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
         wgrad_x=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
         wgrad_dy=_op("tseng_mxfp4", rounding="stochastic", hadamard=32),
-        trust=True, hadamard_signs=0,
+        trust=True, hadamard_signs="random",
         follows="Quartet (arXiv 2505.14669; IST-DASLab/Quartet 00ccd38): QuEST MXFP4 after a "
                 "fixed H32 forward with the trust mask, Tseng SR MXFP4 after H32 with random "
-                "signs on all four backward operands, W and X requantized from the forward's; "
-                "one fixed sign vector here, the authors redraw it every backward"),
+                "signs (redrawn every call) on all four backward operands, W and X "
+                "requantized from the forward's"),
     Recipe(
         name="quartet_ii",
         fprop_x=_op("nvfp4_quartet2_4over6"), fprop_w=_op("nvfp4_quartet2_4over6"),
@@ -322,7 +334,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         dgrad_w=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
         wgrad_x=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
         wgrad_dy=_op("nvfp4_eden", rounding="stochastic", hadamard=128),
-        hadamard_signs=0,
+        hadamard_signs="random",
         follows="Quartet II (arXiv 2601.22813; IST-DASLab/Quartet-II 8776a90, the Triton "
                 "scheme): NVFP4 1x16 forward with Four Over Six, MS-EDEN after RHT128 on all "
                 "four backward operands, W and X requantized from the forward's"),
@@ -333,7 +345,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         dgrad_w=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
         wgrad_x=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
         wgrad_dy=_op("nvfp4_double", rounding="stochastic", hadamard=16),
-        hadamard_signs=0,
+        hadamard_signs="random",
         follows="TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f): "
                 "double-block NVFP4 (outer float32 scale per 128), RTN forward, RHT16 and "
                 "dithered SR on the four backward operands, W and X requantized from the "

@@ -39,6 +39,7 @@ __all__ = [
     "uniform",
     "saturate",
     "round_nearest_ties",
+    "grid_neighbours",
     "encode",
     "decode",
     "pack_nibbles",
@@ -124,6 +125,17 @@ def round_nearest(v: jax.Array, fmt: ElementFormat) -> jax.Array:
     a = jnp.minimum(jnp.abs(v), fmt.max)
     t, ulp = _float_grid_scaled(a, fmt)
     return jnp.copysign(jnp.round(t) * ulp, v)
+
+
+def grid_neighbours(a: jax.Array, fmt: ElementFormat) -> tuple[jax.Array, jax.Array]:
+    """For float32 ``0 <= a <= max``: the neighbouring grid values ``lo <= a < hi`` of
+    ``fmt`` (``hi = lo + spacing``; ``lo = a`` on the grid), exact."""
+    if fmt.kind == "int":
+        lo = jnp.floor(a)
+        return lo, lo + 1
+    t, ulp = _float_grid_scaled(a, fmt)
+    lo = jnp.floor(t) * ulp
+    return lo, lo + ulp
 
 
 def round_nearest_ties(v: jax.Array, fmt: ElementFormat, ties: str) -> jax.Array:

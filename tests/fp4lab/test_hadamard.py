@@ -80,5 +80,26 @@ def test_infinities_and_nan_propagate_as_in_the_product():
 def test_rht_rejects_integer_input_and_bad_signs():
     with pytest.raises(TypeError, match="floating-point input, got int32"):
         rht(jnp.ones((16,), jnp.int32), 0)
-    with pytest.raises(ValueError, match="signs='x' must be 'te' or an int seed"):
+    with pytest.raises(ValueError, match="signs='x' must be 'te', 'none' or an int seed"):
         rht(jnp.ones((16,)), 0, signs="x")
+    with pytest.raises(ValueError, match=r"must have shape \(16,\), got \(8,\)"):
+        rht(jnp.ones((16,)), 0, signs=jnp.ones((8,)))
+
+
+@pytest.mark.parametrize("signs", ["te", "none", 5, "array"])
+def test_rht_transpose_is_the_transpose_of_the_dense_matrix(signs):
+    """rht_transpose(y) = y @ Tb^T (Tb block-diagonal diag(s) H c) along either axis, cut to
+    the input's length; for a drawn sign vector too."""
+    from fp4lab.hadamard import random_signs, rht_transpose
+    s = random_signs(jax.random.key(1), 16) if signs == "array" else signs
+    t = (np.asarray(s, np.float64)[:, None] * hadamard_matrix(16) / 4 if signs == "array"
+         else rht_matrix(16, signs).astype(np.float64))
+    y = jax.random.normal(jax.random.key(0), (3, 32))
+    want = np.asarray(y, np.float64) @ np.kron(np.eye(2), t).T
+    got = rht_transpose(y, 1, 27, 16, s)
+    np.testing.assert_allclose(np.asarray(got), want[:, :27], rtol=1e-6, atol=1e-6)
+    got0 = rht_transpose(y.T, 0, 27, 16, s)
+    np.testing.assert_allclose(np.asarray(got0), want[:, :27].T, rtol=1e-6, atol=1e-6)
+    x = jax.random.normal(jax.random.key(2), (2, 27))
+    back = rht_transpose(rht(x, 1, 16, s), 1, 27, 16, s)
+    np.testing.assert_allclose(np.asarray(back), np.asarray(x), rtol=1e-6, atol=1e-6)

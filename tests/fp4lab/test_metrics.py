@@ -117,3 +117,28 @@ def test_map4_share_counts_the_blocks_four_over_six_maps_to_4():
     got = quant_metrics(jnp.asarray(x), "nvfp4_4over6")["map4_share"]
     assert float(got) == want
     assert float(quant_metrics(jnp.asarray(x), "nvfp4")["map4_share"]) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nvfp4_double", "tseng_mxfp4", "mxfp8"])
+def test_noise_ratio_is_the_norm_over_the_stochastic_rounding_noise(fmt):
+    """``noise_ratio`` (FP4 All the Way's gradient-to-noise criterion) against a Monte Carlo
+    estimate: the mean squared error of 200 stochastically rounded copies (fake_quant), whose
+    standard error at this size is well under 1 %."""
+    x = jnp.asarray(np.random.default_rng(3).standard_t(4, (32, 256)).astype(np.float32))
+    ratio = float(fp4lab.quant_metrics(x, fmt)["noise_ratio"])
+    sr = jax.jit(lambda k: jnp.sum(jnp.square(
+        fp4lab.fake_quant(x, fmt, rounding="stochastic", key=k) - x)))
+    noise = np.mean([float(sr(jax.random.key(i))) for i in range(200)])
+    assert ratio == pytest.approx(float(np.sqrt(np.sum(np.square(np.asarray(x))) / noise)),
+                                  rel=0.01)
+
+
+def test_noise_ratio_of_exact_and_halfway_values():
+    """Values on the grid add no noise (infinite ratio); an E2M1 value halfway between 4 and 6
+    of an MXFP4 block (scale 1: amax 6) has variance (6 - 5)(5 - 4) = 1, so the ratio is
+    ``||x|| / 1``."""
+    on_grid = jnp.asarray([[6.0, 4.0, 3.0, 0.5] + [0.0] * 28])
+    assert float(fp4lab.quant_metrics(on_grid, "mxfp4")["noise_ratio"]) == np.inf
+    half = on_grid.at[0, 1].set(5.0)
+    assert float(fp4lab.quant_metrics(half, "mxfp4")["noise_ratio"]) == pytest.approx(
+        float(jnp.linalg.norm(half)), rel=1e-6)

@@ -50,10 +50,26 @@ def dot(a, b):
                       preferred_element_type=jnp.float32)
 
 
+def signs_of(r, name, key):
+    """The operand's sign vector: the recipe's fixed one, or for ``"random"`` the documented
+    draw (``jax.random.rademacher`` of ``fold_in(key, 6 + GEMM index)``, fprop 0, dgrad 1,
+    wgrad 2)."""
+    op = r.operands[name]
+    s = r.signs(op)
+    if s != "random" or not op.hadamard:
+        return s
+    gemm = {"fprop": 0, "dgrad": 1, "wgrad": 2}[name.split("_")[0]]
+    return jax.random.rademacher(jax.random.fold_in(key, 6 + gemm), (op.hadamard,), jnp.float32)
+
+
 def block_diagonal_rht(length, n, signs):
     """The dense matrix ``Tb`` (length x length, a multiple of n) with ``rht(x, -1) = x @ Tb``
-    for a row vector x, from :func:`rht_matrix` (not the butterflies)."""
-    return np.kron(np.eye(length // n), rht_matrix(n, signs).astype(np.float64))
+    for a row vector x: ``diag(s) H_n / sqrt(n)`` per group, in float64 (not the butterflies)."""
+    if isinstance(signs, jax.Array):
+        t = np.asarray(signs, np.float64)[:, None] * hadamard_matrix(n) / np.sqrt(n)
+    else:
+        t = rht_matrix(n, signs).astype(np.float64)
+    return np.kron(np.eye(length // n), t)
 
 
 def trust_oracle(v, op, axis):
@@ -73,7 +89,7 @@ def oracle(x, w, g, recipe, key):
     k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
     h = history_for(r)
     a = [None if h is None else jnp.max(h[i]) for i in range(6)]
-    sx = r.signs(r.fprop_x)
+    sx = signs_of(r, "fprop_x", key)
     xq = oracle_operand(x, r.fprop_x, 1, k[0], sx, amax=a[0])
     wq = oracle_operand(w, r.fprop_w, 0, k[1], sx, amax=a[1])
     y = dot(xq, wq)
@@ -81,13 +97,13 @@ def oracle(x, w, g, recipe, key):
         return y, dot(g, wq.T), dot(xq.T, g)
     n_h = r.fprop_x.hadamard
     tb = block_diagonal_rht(xq.shape[1], n_h, sx) if n_h else None
-    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], r.signs(r.dgrad_dy), amax=a[2])
+    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], signs_of(r, "dgrad_dy", key), amax=a[2])
     if r.dgrad_w.source == "forward":
-        wq2 = oracle_operand(wq, r.dgrad_w, 1, k[3], r.signs(r.dgrad_w))
+        wq2 = oracle_operand(wq, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key))
     elif r.fprop_w.tile and r.fprop_w == r.dgrad_w:
         wq2 = wq
     else:
-        wq2 = oracle_operand(w, r.dgrad_w, 1, k[3], r.signs(r.dgrad_w), amax=a[3])
+        wq2 = oracle_operand(w, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key), amax=a[3])
         if r.trust and n_h:
             wq2 = jnp.asarray(tb.T @ np.asarray(wq2, np.float64), jnp.float32)
     dx = dot(dyq, wq2.T)
@@ -98,8 +114,8 @@ def oracle(x, w, g, recipe, key):
     if r.saved_x is not None:  # the backward pass finds X as stored: DQ(Q(X)) along K
         x = oracle_operand(x, OperandQuant(format=r.saved_x.format), 1, None).astype(x.dtype)
     x_src = xq if r.wgrad_x.source == "forward" else x
-    xq3 = oracle_operand(x_src, r.wgrad_x, 0, k[4], r.signs(r.wgrad_x), amax=a[4])
-    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], r.signs(r.wgrad_dy), amax=a[5])
+    xq3 = oracle_operand(x_src, r.wgrad_x, 0, k[4], signs_of(r, "wgrad_x", key), amax=a[4])
+    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], signs_of(r, "wgrad_dy", key), amax=a[5])
     dw = dot(xq3.T, dyq3)
     if r.trust:
         if r.wgrad_x.source != "forward" and n_h:
