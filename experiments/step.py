@@ -27,7 +27,7 @@ import optax
 
 from experiments.model import ModelConfig
 from experiments.optimizers import make_optimizer
-from fp4lab import delayed
+from fp4lab import delayed, osci_reset
 
 __all__ = ["TrainState", "GradReduce", "model_config", "make_optimizer", "make_loss",
            "make_grad_fn", "make_step", "make_eval"]
@@ -41,6 +41,8 @@ class TrainState:
     bad_step: jax.Array  # -1, or the first step whose loss/gradient was not finite
     # FP8 delayed scaling: the "amax_history" collection (None when no layer uses it)
     amax_history: dict | None = None
+    # OsciReset's state (fp4lab.osci_reset; None when train.osci_reset is off)
+    osci: osci_reset.OsciState | None = None
 
 
 def model_config(config, data=None) -> ModelConfig:
@@ -194,14 +196,25 @@ def _mtp_grad_survival(loss_fn, reduce: GradReduce, params, history, tokens, wei
     return {"mtp_grad_survival": s["fraction"], "mtp_grad_error": s["error"]}
 
 
+def _osci_reset(osci, params: dict, state, t):
+    """OsciReset after the optimizer step ``t`` on the kernels ``osci = (config, paths)``
+    names: ``(params, osci state, number reset)``."""
+    cfg, paths = osci
+    flat = flax.traverse_util.flatten_dict(params, sep="/")
+    weights, new, count = osci_reset.step(cfg, [flat[p] for p in paths], state, t)
+    flat.update(zip(paths, weights))
+    return flax.traverse_util.unflatten_dict(flat, sep="/"), new, count
+
+
 def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool,
-              reduce: GradReduce | None = None, mesh=None):
+              reduce: GradReduce | None = None, mesh=None, osci=None):
     """``step(state, tokens, weights, probes) -> (state, metrics, probe gradients)``, jitted
     with the state donated. The SR key of a step is a function of ``seed`` and the step; the
     seed's key is an argument of the compiled program, not a constant in it, so runs that
     differ only in their seed compile the same program (the sweep's seeds share one compile
     through JAX's compilation cache). ``reduce``: the explicit gradient reduction over
-    ``mesh``'s ``data`` axis (:func:`make_grad_fn`)."""
+    ``mesh``'s ``data`` axis (:func:`make_grad_fn`). ``osci``: ``(OsciReset, kernel
+    paths)``, applied after each optimizer step (``state.osci`` holds its state)."""
     grad_fn = make_grad_fn(qmodel, mtp_weight, reduce, mesh)
 
     def step(state: TrainState, tokens, weights, probes, base_key):
@@ -212,6 +225,10 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
         gnorm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        osci_state, resets = state.osci, {}
+        if osci is not None:
+            params, osci_state, count = _osci_reset(osci, params, state.osci, state.step)
+            resets = {"osci_resets": count}
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & (state.bad_step < 0)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
         history = None if state.amax_history is None else keep(
@@ -221,9 +238,10 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
                          opt_state=keep(opt_state, state.opt_state),
                          bad_step=jnp.where(ok | (state.bad_step >= 0), state.bad_step,
                                             state.step),
-                         amax_history=history)
+                         amax_history=history,
+                         osci=None if osci is None else keep(osci_state, state.osci))
         metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
-                   "lr": sched(state.step), **extra}
+                   "lr": sched(state.step), **extra, **resets}
         return new, metrics, probe_grads
 
     return functools.partial(jax.jit(step, donate_argnums=0), base_key=jax.random.key(seed))

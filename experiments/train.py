@@ -37,6 +37,7 @@ from experiments.probes import probe_records, summarize_probes, underflow_by_kin
 from experiments.records import RunRecords, read_jsonl
 from experiments.step import (GradReduce, TrainState, make_eval, make_optimizer, make_step,
                               model_config)
+from fp4lab import osci_reset
 from fp4lab.flax import quantize_model
 from fp4lab.policy import PrecisionPolicy, policy_to_dict
 
@@ -281,6 +282,30 @@ class _Setup:
     probes: dict | None
     params: dict  # the initial parameters and a sample batch, for ``qmodel.explain``
     sample: jax.Array
+    osci: tuple | None = None  # (OsciReset, the kernel paths it tracks)
+
+
+def _param(params: dict, path: str):
+    for k in path.split("/"):
+        params = params[k]
+    return params
+
+
+def _osci(config, qmodel, params, sample) -> tuple | None:
+    """``train.osci_reset``: ``(OsciReset, paths)`` of the kernels whose layer's forward
+    weight the policy puts in its format (from the quantized model's record), or None."""
+    o = config.train.osci_reset
+    if not o.period:
+        return None
+    cfg = osci_reset.OsciReset(period=o.period, window=o.window, threshold=o.threshold,
+                               start=o.start, format=o.format)
+    record = qmodel.assignments({"params": params}, sample, rngs={"quant": jax.random.key(0)})
+    paths = [f"{a.path}/kernel" for a in record if a.recipe is not None and not a.stack
+             and a.recipe.fprop_w.format == cfg.format]
+    if not paths:
+        raise ValueError(f"train.osci_reset: no layer's forward weight is in format "
+                         f"{cfg.format.name} under policy {config.precision.policy!r}")
+    return cfg, paths
 
 
 def _build(config, data: TextData | None) -> _Setup:
@@ -298,10 +323,14 @@ def _build(config, data: TextData | None) -> _Setup:
     params = model.init(jax.random.key(config.seed), sample)["params"]
     qmodel = quantize_model(model, policy, backend=config.precision.backend)
     history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
+    osci = _osci(config, qmodel, params, sample)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
-                       bad_step=jnp.int32(-1), amax_history=history)
+                       bad_step=jnp.int32(-1), amax_history=history,
+                       osci=None if osci is None else osci_reset.init(
+                           [_param(params, p) for p in osci[1]]))
     return _Setup(
         data=data, record=config_record(config, data, policy), place=place, qmodel=qmodel,
+        osci=osci,
         bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
         state=jax.device_put(state, place.replicated),
         probes=qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None,
@@ -485,7 +514,7 @@ class _Programs:
             self._steps[k] = make_step(model, self.setup.tx, self.setup.sched,
                                        self.config.seed, self.config.train.mtp_weight,
                                        with_probes, _grad_reduce(self.config),
-                                       self.setup.place.batch.mesh)
+                                       self.setup.place.batch.mesh, self.setup.osci)
         return self._steps[k]
 
     def evaluate(self, model, state: TrainState) -> float:

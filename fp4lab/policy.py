@@ -294,7 +294,30 @@ class ExplainTable(list):
             r = self.policy.rules[i]
             what = "UNUSED rule" if r.required else "unused optional rule"
             lines.append(f"{what} {i}: {r.label()}")
+        recipes = list({a.recipe.name: a.recipe for a in self if a.recipe is not None}.values())
+        if recipes:
+            lines.append("recipes, operand by operand:")
+        for r in recipes:
+            lines += _recipe_lines(r)
         return "\n".join(lines)
+
+
+def _recipe_lines(r: Recipe) -> list[str]:
+    """The six operands of ``r`` (the two forward ones for QAT) and what it does besides."""
+    lines = [f"  {r.name}" + (f" ({r.follows})" if r.follows else "")]
+    for name, op in r.operands.items():
+        if name in r.quantized_operands:
+            lines.append(f"    {name:9s} {op.describe()}")
+        else:
+            lines.append(f"    {name:9s} straight through (QAT)")
+    extra = [t for t, on in (("trust mask on the forward's gradient", r.trust),
+                             (r.saved_x.describe() if r.saved_x else "", bool(r.saved_x)),
+                             ("delayed scaling", r.delayed is not None),
+                             ("sign vectors redrawn every call",
+                              "random" in (r.signs(o) for o in r.operands.values()))) if on]
+    if extra:
+        lines.append(f"    {'besides':9s} {'; '.join(extra)}")
+    return lines
 
 
 def check_unused(policy: PrecisionPolicy, assignments, *, strict: bool = False,

@@ -44,6 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
         log_every=10, eval_every=0, ckpt_every=50,
         bf16_last_fraction=0.0,  # the late precision switch: last fraction of steps in BF16
         optimizer="adamw",  # or "muon" (experiments/optimizers.py)
+        # TetraJet-v2's OsciReset (fp4lab.osci_reset) on the kernels whose forward weight is
+        # in osci_reset.format; period 0 = off (the authors: 200, 50, 8, from step 8000)
+        osci_reset=ml_collections.ConfigDict(dict(
+            period=0, window=50, threshold=8.0, start=0, format="nvfp4_double")),
         # "xla", or fp32 | bf16_wire | bf16_ring | bf16_tree spelled out per replica, with
         # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
         grad_reduce="xla", grad_reduce_rules=(),

@@ -94,7 +94,8 @@ def _random_like(tree, seed=0):
     return jax.tree.unflatten(treedef, out)
 
 
-@pytest.mark.parametrize("optimizer, policy", [("adamw", "nvfp4"), ("muon", "fp8_delayed")])
+@pytest.mark.parametrize("optimizer, policy", [("adamw", "nvfp4"), ("muon", "fp8_delayed"),
+                                               ("adamw", "tetrajet_v2")])
 def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optimizer, policy):
     """What a resume reads back is what was saved: the whole TrainState (step, parameters,
     AdamW's or Muon's state, FP8 delayed scaling's amax histories) through train's own
@@ -106,7 +107,10 @@ def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optim
     from experiments.train import _build, _Checkpoints
 
     tiny.train.optimizer, tiny.precision.policy = optimizer, policy
+    if policy == "tetrajet_v2":  # OsciReset's accumulators are part of the state
+        tiny.train.osci_reset.period, tiny.train.osci_reset.window = 4, 1
     like = _build(tiny, text).state
+    assert (like.osci is not None) == (policy == "tetrajet_v2")
     if policy == "fp8_delayed":
         assert jax.tree.leaves(like.amax_history)  # the histories are part of the state
     else:
@@ -405,3 +409,23 @@ def test_a_run_under_an_edited_policy_file_is_refused_on_resume_and_by_its_analy
         load_run(tmp_path / "run")  # rollout, residual, ssm_state and export read runs so
     save_policy(all_layers("mxfp8"), policy)  # as it was: the run is its own again
     assert load_run(tmp_path / "run").config.precision.policy_sha256 == r["policy_sha256"]
+
+
+@pytest.mark.slow
+def test_osci_reset_acts_at_the_end_of_each_window(tiny, text, tmp_path):
+    """train.osci_reset (TetraJet-v2's OsciReset): with period 4 and a window of 1 step from
+    step 0, weights are reset only after steps 2 and 6 (t % 4 == window + 1), and with a
+    threshold near 0 every weight whose grid point moved in the window is; a policy without
+    the OsciReset format is refused."""
+    tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 8, 0, 0
+    tiny.precision.policy = "tetrajet_v2"
+    o = tiny.train.osci_reset
+    o.period, o.window, o.threshold, o.start = 4, 1, 1e-9, 0
+    train(tiny, tmp_path / "run", data=text, progress=False)
+    resets = {r["step"]: r["osci_resets"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+              if "osci_resets" in r}
+    assert set(resets) == set(range(8))
+    assert {s for s, n in resets.items() if n} <= {2, 6} and resets[2] + resets[6] > 0
+    tiny.precision.policy = "nvfp4"
+    with pytest.raises(ValueError, match="no layer's forward weight is in format nvfp4_double"):
+        train(tiny, tmp_path / "nvfp4", data=text, progress=False)
