@@ -251,6 +251,14 @@ def _four_over_six(name, fmt, *, follows):
                   wgrad_x=_op(fmt), wgrad_dy=dy, follows=follows)
 
 
+def _requantizing(name, fwd: OperandQuant, bwd: OperandQuant, *, follows, **kw) -> Recipe:
+    """The published recipes' shape: X and W quantized alike in the forward, the four backward
+    operands alike, W and X requantized from the forward's, signs redrawn every call."""
+    again = dataclasses.replace(bwd, source="forward")
+    return Recipe(name=name, fprop_x=fwd, fprop_w=fwd, dgrad_dy=bwd, dgrad_w=again,
+                  wgrad_x=again, wgrad_dy=bwd, hadamard_signs="random", follows=follows, **kw)
+
+
 def _qat(name, w, x="bf16", w_tile=None, follows=""):
     return Recipe(name=name, fprop_x=_op(x), fprop_w=_op(w, tile=w_tile), backward="ste",
                   follows=follows)
@@ -314,42 +322,27 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         follows="'Training LLMs with MXFP4' (Tseng et al. 2025): RHT and SR in the backward "
                 "pass (the paper uses RHT groups up to 256 and BF16 forward in places)",
     ),
-    Recipe(
-        name="quartet",
-        fprop_x=_op("quest_mxfp4", hadamard=32, hadamard_signs="none"),
-        fprop_w=_op("quest_mxfp4", hadamard=32, hadamard_signs="none"),
-        dgrad_dy=_op("tseng_mxfp4", rounding="stochastic", hadamard=32),
-        dgrad_w=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
-        wgrad_x=_op("tseng_mxfp4", rounding="stochastic", hadamard=32, source="forward"),
-        wgrad_dy=_op("tseng_mxfp4", rounding="stochastic", hadamard=32),
-        trust=True, hadamard_signs="random",
+    _requantizing(
+        "quartet", _op("quest_mxfp4", hadamard=32, hadamard_signs="none"),
+        _op("tseng_mxfp4", rounding="stochastic", hadamard=32), trust=True,
         follows="Quartet (arXiv 2505.14669; IST-DASLab/Quartet 00ccd38): QuEST MXFP4 after a "
                 "fixed H32 forward with the trust mask, Tseng SR MXFP4 after H32 with random "
                 "signs (redrawn every call) on all four backward operands, W and X "
                 "requantized from the forward's"),
-    Recipe(
-        name="quartet_ii",
-        fprop_x=_op("nvfp4_quartet2_4over6"), fprop_w=_op("nvfp4_quartet2_4over6"),
-        dgrad_dy=_op("nvfp4_eden", rounding="stochastic", hadamard=128),
-        dgrad_w=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
-        wgrad_x=_op("nvfp4_eden", rounding="stochastic", hadamard=128, source="forward"),
-        wgrad_dy=_op("nvfp4_eden", rounding="stochastic", hadamard=128),
-        hadamard_signs="random",
+    _requantizing(
+        "quartet_ii", _op("nvfp4_quartet2_4over6"),
+        _op("nvfp4_eden", rounding="stochastic", hadamard=128),
         follows="Quartet II (arXiv 2601.22813; IST-DASLab/Quartet-II 8776a90, the Triton "
                 "scheme): NVFP4 1x16 forward with Four Over Six, MS-EDEN after RHT128 on all "
                 "four backward operands, W and X requantized from the forward's"),
-    Recipe(
-        name="tetrajet_v2",
-        fprop_x=_op("nvfp4_double"), fprop_w=_op("nvfp4_double"),
-        dgrad_dy=_op("nvfp4_double", rounding="stochastic", hadamard=16),
-        dgrad_w=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
-        wgrad_x=_op("nvfp4_double", rounding="stochastic", hadamard=16, source="forward"),
-        wgrad_dy=_op("nvfp4_double", rounding="stochastic", hadamard=16),
-        hadamard_signs="random",
+    _requantizing(
+        "tetrajet_v2", _op("nvfp4_double"),
+        _op("nvfp4_double", rounding="stochastic", hadamard=16),
         follows="TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f): "
                 "double-block NVFP4 (outer float32 scale per 128), RTN forward, RHT16 and "
                 "dithered SR on the four backward operands, W and X requantized from the "
-                "forward's; OsciReset and OutControl are not part of this recipe"),
+                "forward's; OsciReset is train.osci_reset (fp4lab.osci_reset), OutControl "
+                "is not implemented"),
     Recipe(
         name="fp4_all_the_way",
         fprop_x=_op("nvfp4_atw"), fprop_w=_op("nvfp4_atw"),
