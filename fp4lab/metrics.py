@@ -20,7 +20,8 @@
   of a block, over the blocks (0 for blocks of zeros), in the format's own blocks (the whole
   tensor for pass-through formats): Transformer Engine's ``max_blockwise_dynamic_range``
   (``debug/features/utils/stats_computation.py``), the range a block's one scale must span.
-* ``map4_share``: the fraction of blocks Four Over Six maps to 4 (0 for every other format).
+* ``map4_share``: the fraction of blocks Four Over Six maps to 4 (TE's 4/6 and Quartet II's;
+  0 for every other format).
 * ``noise_ratio``: ``||x|| / sqrt(E||SR(x) - x||²)``, the tensor's norm over the standard
   deviation of the noise stochastic rounding onto the format would add (from the format's
   own scales: ``sum m² (|v| - lo)(hi - |v|)`` for each scaled element ``v`` between grid
@@ -45,7 +46,6 @@ from fp4lab import rounding
 from fp4lab.formats import Format
 from fp4lab.quantize import (check_arguments, dequantize_blocks, from_blocks, quantize_blocks,
                              rounded_output, to_blocks)
-from fp4lab.scaling import FourOverSixScale
 
 __all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
 
@@ -91,7 +91,7 @@ def _block_dynamic_range(xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 
 def _map4_share(xb, b, fmt: Format, axes) -> jax.Array:
-    if not isinstance(fmt.scaling, FourOverSixScale):
+    if not getattr(fmt.scaling, "chooses_map_to_4", False):  # Four Over Six, Quartet II's
         return jnp.float32(0)
     six = fmt.scaling.map_to_6(rounding.abs_max(xb, axis=axes, keepdims=True), b.tensor_amax)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)

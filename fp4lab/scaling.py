@@ -245,6 +245,7 @@ class FourOverSixScale(ScaleScheme):
     e4m3_max: int = 256
     error: Literal["mae", "mse"] = "mae"
 
+    chooses_map_to_4 = True
     scale_dtype = "float8_e4m3fn"
     scale_name = "e4m3"
     scale_bits = 8
@@ -651,6 +652,17 @@ class Quartet2Scale(ScaleScheme):
     @property
     def scales_max(self) -> float:
         return 256.0 if self.four_over_six else 448.0
+
+    @property
+    def chooses_map_to_4(self) -> bool:
+        return self.four_over_six
+
+    def map_to_6(self, stat, tensor_amax):
+        """The E4M3 scale each block would get mapped to 6 (a stored scale that differs from
+        it is a block mapped to 4)."""
+        s_dec = _quartet2_s_dec(tensor_amax, self.scales_max, F32(6))
+        return _quartet2_block(rounding.div(rounding.div(stat, F32(6)), s_dec)).astype(
+            jnp.float8_e4m3fn)
 
     def encode(self, stat, tensor_amax, element):
         raise TypeError("Quartet II's quantizer is applied through fp4lab.quantize "

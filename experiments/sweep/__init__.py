@@ -21,6 +21,9 @@ From every run's ``result.json`` it then writes:
   from the first variant (or size) to the others, paired by seed, with its interval;
 * ``loss_curves.png``, ``loss_gap_curves.png`` (relative to ``bf16`` over the steps, the
   seeds' range as a band), ``gap_intervals.png``, ``gap_vs_size.png`` (with sizes);
+* ``probes.csv`` and a table in ``results.md``: per policy, the forward operands' SQNR, the
+  gradient operands' noise ratio, the forward input's block dynamic range and the share of
+  blocks Four Over Six maps to 4, averaged over layers, probe steps and seeds;
 * ``underflow_heatmap.png`` and ``sqnr_heatmap.png``: layer x GEMM-operand maps, one panel per
   policy (mean over the probe steps and seeds; grey: the operand is not quantized).
 
@@ -58,12 +61,13 @@ from experiments.probes import layer_order
 from experiments.sweep.cli import main, parse_shard
 from experiments.sweep.plan import (PlannedRun, Variant, planned_runs, run_config, run_name,
                                     sweep_seeds, sweep_variants)
-from experiments.sweep.report import (comparison_table, difference_table, results_table,
-                                      write_reports)
+from experiments.sweep.report import (comparison_table, difference_table, probe_table,
+                                      results_table, write_reports)
 from experiments.sweep.result import RunResult
 from experiments.sweep.run import check_plan, collect_results, run_sweep
 
 __all__ = ["run_sweep", "check_plan", "collect_results", "planned_runs", "sweep_variants",
            "sweep_seeds", "run_name", "run_config", "Variant", "PlannedRun", "RunResult",
-           "results_table", "difference_table", "comparison_table", "write_reports",
+           "results_table", "difference_table", "comparison_table", "probe_table",
+           "write_reports",
            "parse_shard", "layer_order", "main"]

@@ -25,7 +25,8 @@ from experiments.sweep.result import (RunResult, as_results, base_key, finished,
                                       val_by_seed)
 from experiments.tables import interval_cell, markdown_table, rounded, yes_no
 
-__all__ = ["results_table", "difference_table", "comparison_table", "write_reports"]
+__all__ = ["results_table", "difference_table", "comparison_table", "probe_table",
+           "write_reports"]
 
 
 def _kinds(results: list[RunResult]) -> list[str]:
@@ -136,6 +137,41 @@ def comparison_table(results, pairs) -> tuple[list[str], list[list]]:
     return header, rows
 
 
+# the probe columns of probe_table: (operand, metric, header)
+PROBE_COLUMNS = (("fprop_x", "sqnr_db", "fprop_x SQNR dB"), ("fprop_w", "sqnr_db",
+                 "fprop_w SQNR dB"), ("dgrad_dy", "noise_ratio", "dgrad_dy noise ratio"),
+                 ("wgrad_dy", "noise_ratio", "wgrad_dy noise ratio"),
+                 ("fprop_x", "block_dynamic_range", "fprop_x block range log2"),
+                 ("fprop_x", "map4_share", "fprop_x 4/6 share %"),
+                 ("fprop_w", "map4_share", "fprop_w 4/6 share %"))
+
+
+def probe_table(results) -> tuple[list[str], list[list]]:
+    """Per policy (and variant): the probes the published recipes argue from, averaged over
+    the layers, the probe steps and the seeds: the forward operands' SQNR, the gradient
+    operands' noise ratio (FP4 All the Way's gradient-to-noise criterion, ``noise_ratio``),
+    the forward input's largest per-block dynamic range and the share of blocks Four Over Six
+    maps to 4. Empty when no run has probes."""
+    grouped = groups(as_results(results))
+    variants = any(v for v, _ in grouped)
+    header = (["variant"] if variants else []) + ["policy", "seeds"] + [
+        h for _, _, h in PROBE_COLUMNS]
+    rows = []
+    for (variant, policy), runs in grouped.items():
+        ok = [r for r in finished(runs) if r.probe_summary]
+        if not ok:
+            continue
+        cells = []
+        for op, metric, h in PROBE_COLUMNS:
+            v = np.array([m[op][metric] for r in ok for m in r.probe_summary.values()
+                          if op in m and metric in m[op]], float)
+            v = v[np.isfinite(v)]
+            scale = 100 if h.endswith("%") else 1
+            cells.append(rounded(scale * float(v.mean()), 2) if v.size else "")
+        rows.append(([variant] if variants else []) + [policy, len(ok)] + cells)
+    return header, rows
+
+
 def _csv(header, rows) -> str:
     buf = io.StringIO()
     csv.writer(buf).writerows([header] + rows)
@@ -160,6 +196,13 @@ def write_reports(results, out: Path, compare=()) -> str:
     if c_rows:
         md += ("\nPaired comparisons between policies (relative difference of the final "
                "validation loss, paired by seed):\n\n" + markdown_table(c_header, c_rows))
+    p_header, p_rows = probe_table(results)
+    if p_rows:
+        write_atomic(out / "probes.csv", _csv(p_header, p_rows))
+        md += ("\nProbes, averaged over layers, probe steps and seeds (noise ratio: a "
+               "gradient's norm over its stochastic-rounding noise, FP4 All the Way's "
+               "sqrt(3) criterion; block range: the largest log2 max/min of a block):\n\n"
+               + markdown_table(p_header, p_rows))
     write_atomic(out / "results.md", md)
     plots.write_plots(results, out)
     return md

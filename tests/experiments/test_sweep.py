@@ -65,6 +65,22 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus
         sweep.run_sweep(config, tmp_path, progress=False)
 
 
+def test_probe_table_averages_layers_and_seeds_and_skips_infinities():
+    def run(seed, nr):
+        return {"policy": "nvfp4", "seed": seed, "status": "ok", "val_loss": 2.0,
+                "final_train_loss": 2.0, "tokens_per_s": 1.0, "probe_summary": {
+                    "a": {"wgrad_dy": {"noise_ratio": nr}, "fprop_x": {"map4_share": 0.25}},
+                    "b": {"wgrad_dy": {"noise_ratio": float("inf")}}}}
+
+    header, rows = sweep.probe_table([run(0, 6.0), run(1, 8.0)])
+    row = dict(zip(header, rows[0]))
+    assert row["policy"] == "nvfp4" and row["seeds"] == 2
+    assert row["wgrad_dy noise ratio"] == 7.0 and row["fprop_x 4/6 share %"] == 25.0
+    assert row["dgrad_dy noise ratio"] == ""  # measured nowhere
+    assert sweep.probe_table([{"policy": "bf16", "status": "ok", "val_loss": 2.0,
+                              "final_train_loss": 2.0, "tokens_per_s": 1.0}])[1] == []
+
+
 def test_results_table_gaps_and_speed_are_relative_to_bf16():
     base = {"policy": "bf16", "status": "ok", "final_train_loss": 2.0, "val_loss": 2.0,
             "tokens_per_s": 1000.0, "underflow_by_kind": {"mlp/up": 0.0}}

@@ -142,3 +142,22 @@ def test_noise_ratio_of_exact_and_halfway_values():
     half = on_grid.at[0, 1].set(5.0)
     assert float(fp4lab.quant_metrics(half, "mxfp4")["noise_ratio"]) == pytest.approx(
         float(jnp.linalg.norm(half)), rel=1e-6)
+
+
+def test_map4_share_counts_quartet_ii_blocks_mapped_to_4():
+    """Quartet II's forward with Four Over Six (tests/recipe_oracles.py, IST-DASLab/Quartet-II
+    8776a90): the share of blocks whose chosen scale is not the map-to-6 one (S 256, 1 where
+    the E4M3 scale is 0)."""
+    from recipe_oracles import e4m3_rne_sat, quartet2_rtn
+
+    x = np.asarray(jax.random.normal(jax.random.key(1), (64, 64)), np.float32)
+    _, chosen = quartet2_rtn(x, four_over_six=True, ftz=True)
+    amax = np.float32(np.abs(x).max())
+    s_dec = np.float32(np.float32(amax / np.float32(256)) / np.float32(6))
+    bamax = np.abs(x.reshape(-1, 16)).max(axis=1).astype(np.float32)
+    six = e4m3_rne_sat(np.float32(bamax / np.float32(6)) / s_dec)
+    six = np.where(six == 0, np.float32(1), six)
+    want = float(np.mean(np.asarray(chosen, np.float32).reshape(-1) != six))
+    got = float(quant_metrics(jnp.asarray(x), "nvfp4_quartet2_4over6")["map4_share"])
+    assert 0.2 < want < 0.6 and got == want
+    assert float(quant_metrics(jnp.asarray(x), "nvfp4_quartet2")["map4_share"]) == 0.0
