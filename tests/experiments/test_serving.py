@@ -392,7 +392,9 @@ def test_llama_cpp_tokenizes_with_the_runs_bpe_vocabulary(token_dirs, tmp_path):
     assert served["detokenized"].tobytes() == text.encode()
     assert int(served["n_vocab"]) == 304
     per_position = np.abs(served["logits"] - same).max(-1)
-    assert np.mean(per_position < 1e-4) >= 0.9, per_position
+    # a position whose BF16 rounding went the other way upstream differs by ~1e-3: on an AMD
+    # EPYC 4 of these 32 positions did (2e-3, 5e-3), on an AMX Xeon at most 3
+    assert np.mean(per_position < 1e-4) >= 0.75 and per_position.max() < 0.1, per_position
 
 
 @pytest.mark.slow

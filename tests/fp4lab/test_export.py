@@ -180,6 +180,7 @@ def test_what_a_layout_cannot_hold_is_refused(tmp_path):
                     tmp_path / "d.gguf", "gguf")
     with pytest.raises(ValueError, match="transforms or stochastically rounds"):
         rht = dataclasses.replace(get_recipe("bf16"), name="rht_w",
+                                  fprop_x=OperandQuant(format="nvfp4", hadamard=16),
                                   fprop_w=OperandQuant(format="nvfp4", hadamard=16))
         export.quantized_weights(_params(), rht)
     with pytest.raises(FileNotFoundError, match="does not exist"):
