@@ -2,7 +2,8 @@
 NVIDIA's NVFP4, Four Over Six, row-scaled NVFP4, Quartet, Quartet II, TetraJet-v2, FP4 All
 the Way, MXFP4 (Tseng et al.) and MXFP8 with RCEIL and FLOOR scales, three seeds each, at two
 training lengths (``short``: 75 steps, ``long``: the default 150; the gap's growth with
-tokens is what these papers argue about). About 40 minutes on 2 CPU cores as two shards:
+tokens is what these papers argue about). 66 runs; 89 minutes on 2 CPU cores as two shards
+(with the test suite sharing the cores for most of it):
 
     python -m experiments.sweep --config recipes --out results/recipes --shard 0/2 &
     python -m experiments.sweep --config recipes --out results/recipes --shard 1/2
