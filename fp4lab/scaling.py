@@ -295,15 +295,20 @@ class FourOverSixScale(ScaleScheme):
         return _nvfp4_decode(scale, tensor_amax, 6 * self.e4m3_max)
 
 
+def _sum_in_order(a, axis):
+    """Float32 sum along ``axis`` (keepdims) one element after the other, from the first."""
+    total = jax.lax.index_in_dim(a, 0, axis)
+    for i in range(1, a.shape[axis]):
+        total = total + jax.lax.index_in_dim(a, i, axis)
+    return total
+
+
 def _block_error_sum(e, axes: tuple[int, ...]):
     """Per block (keepdims over ``axes``), the float32 sum of ``e`` as TE's 4/6 kernel adds it:
     along the last block axis one element after the other (``err = fl(err + e_i)``, from 0);
     for a 2D tile, then the line sums by the warp tree ``a_i = fl(e_i + e_{i+8})``, 4, 2, 1.
     Each addition is its own XLA add (no reduction whose order XLA chooses)."""
-    line_axis = axes[-1]
-    total = jax.lax.index_in_dim(e, 0, line_axis)
-    for i in range(1, e.shape[line_axis]):
-        total = total + jax.lax.index_in_dim(e, i, line_axis)
+    total = _sum_in_order(e, axes[-1])
     if len(axes) == 2:
         lines = axes[0]
         while total.shape[lines] > 1:
@@ -526,14 +531,6 @@ def group_blocks(per_block, inner: int, k: int, reduce):
     g = per_block.reshape(shape[:count] + ((n + pad) // k, k) + shape[count + 1:])
     r = jnp.broadcast_to(reduce(g, count + 1), g.shape).reshape(shape)
     return jax.lax.slice_in_dim(r, 0, n, axis=count)
-
-
-def _sum_in_order(a, axis):
-    """Float32 sum along ``axis`` (keepdims) one element after the other, from the first."""
-    total = jax.lax.index_in_dim(a, 0, axis)
-    for i in range(1, a.shape[axis]):
-        total = total + jax.lax.index_in_dim(a, i, axis)
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -857,11 +854,12 @@ class EncodeFactorE4M3Scale(ScaleScheme):
         return jnp.where(st == 0, F32(1), st)
 
     def encode(self, stat, tensor_amax, element):
-        f = rounding.div(F32(6), rounding.div(stat, self._st(tensor_amax)))
+        st = self._st(tensor_amax)
+        f = rounding.div(F32(6), rounding.div(stat, st))
         sb = _e4m3(f)  # torch's cast: nearest-even, 464 (a tie) to 448, beyond it NaN
         ok = (f <= 464) & (sb.astype(jnp.float32) > 0)
         sb = jnp.where(ok, sb, jnp.ones_like(sb))
-        return sb, (self._st(tensor_amax), sb.astype(jnp.float32))
+        return sb, (st, sb.astype(jnp.float32))
 
     def scale_elements(self, xb, m):
         st, sb = m
