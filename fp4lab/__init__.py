@@ -9,7 +9,8 @@ Study tools live in their own modules, imported by name: ``fp4lab.saved`` (``rec
 The modules, from the bottom up: ``formats`` (number formats as data), ``rounding`` (grids,
 exact division, packing), ``scaling`` (scale schemes), ``qarray`` (the QArray pytree),
 ``backend`` (the kernel table), ``quantize`` (quantize, dequantize, fake_quant), ``metrics``,
-``hadamard``, ``delayed`` (FP8 amax histories), ``recipe`` (the six GEMM operands and how each
+``hadamard``, ``delayed`` (FP8 amax histories), ``outcontrol`` (TetraJet-v2's outlier
+channels) and ``osci_reset`` (its oscillation reset), ``recipe`` (the six GEMM operands and how each
 is quantized), ``probes``, ``einsum``, ``qdot`` (the quantized GEMMs) and ``policy`` (rules
 from module paths to recipes). Beyond the GEMM operands (docs/beyond_the_gemms.md):
 ``saved`` (what is stored for the backward pass; ``recompute``), ``attention``
@@ -40,8 +41,8 @@ from fp4lab.probes import probe_table, probe_zeros
 from fp4lab.qarray import QArray
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.quantize import dequantize, fake_quant, quantize
-from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, Recipe, SavedX, get_recipe,
-                           recipe_names)
+from fp4lab.recipe import (OPERANDS, RECIPES, OperandQuant, OutControl, Recipe, SavedX,
+                           get_recipe, recipe_names)
 
 __version__ = "0.1.0"
 
@@ -53,7 +54,7 @@ __all__ = [
     "quant_metrics", "METRIC_NAMES", "probe_zeros", "probe_table",
     # GEMMs and recipes
     "qdot_general", "qeinsum", "Recipe", "OperandQuant", "OPERANDS", "RECIPES", "get_recipe",
-    "recipe_names", "DelayedScaling", "SavedX",
+    "recipe_names", "DelayedScaling", "SavedX", "OutControl",
     # policies
     "PrecisionPolicy", "Rule", "Depth", "nemotron3", "nvfp4_paper", "all_layers", "explain",
     "get_policy", "load_policy", "save_policy", "PolicyWarning",

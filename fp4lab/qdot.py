@@ -38,6 +38,7 @@ from fp4lab import saved as _saved
 from fp4lab.delayed import history_amax
 from fp4lab.hadamard import random_signs, rht, rht_transpose
 from fp4lab.einsum import plan_einsum
+from fp4lab.outcontrol import check_channels
 from fp4lab.probes import PROBE_SHAPE, measure
 from fp4lab.quantize import check_key, dequantize, fake_quant_operand, quantize, trust_mask
 from fp4lab.rounding import abs_max
@@ -194,13 +195,65 @@ def _weight(w, recipe: Recipe, key, backend, amax, signs):
                             amax["fprop_w"]), None
 
 
-def _forward(x, w, keys, recipe: Recipe, backend, amax, signs):
+def _forward(x, w, keys, recipe: Recipe, backend, amax, signs, channels=None):
     """``(Y, xq, wq, qw)``: the forward GEMM and its quantized operands (in the rotated
-    domain when the forward has a Hadamard transform; ``qw`` the reusable tiled weight)."""
+    domain when the forward has a Hadamard transform; ``qw`` the reusable tiled weight).
+    With OutControl ``channels``: K split, ``xq`` and ``wq`` both parts in K's order."""
+    if channels is not None:
+        return _forward_split(x, w, keys, recipe, backend, signs, channels)
     wq, qw = _weight(w, recipe, keys["fprop_w"], backend, amax, signs)
     xq = quantize_operand(x, recipe.fprop_x, AXIS["fprop_x"], keys["fprop_x"],
                           signs["fprop_x"], backend, amax["fprop_x"])
     return _mm(xq, wq, _BMK_BKN), xq, wq, qw
+
+
+# ----------------------------------------------------------------------------- OutControl
+
+
+def _split(t, channels, n: int, axis: int):
+    """``t``'s K axis in ``channels`` order, cut after the first ``n``: (outliers, rest)."""
+    t = jnp.take(t, channels, axis=axis)
+    return lax.slice_in_dim(t, 0, n, axis=axis), lax.slice_in_dim(t, n, None, axis=axis)
+
+
+def _merge(hi, lo, channels, axis: int):
+    """The inverse of :func:`_split`: both parts back in K's order."""
+    return jnp.take(jnp.concatenate([hi, lo], axis), jnp.argsort(channels), axis=axis)
+
+
+def _high(recipe: Recipe, source="input") -> OperandQuant:
+    return OperandQuant(format=recipe.outliers.format, source=source)
+
+
+def _forward_split(x, w, keys, recipe: Recipe, backend, signs, channels):
+    """OutControl's forward (``linear_mix.py``): the outlier channels of X and W in the
+    high-precision format, the rest as the recipe says, each part quantized along K over
+    its channels in ``channels`` order; the FP4 product plus the high-precision one."""
+    n = recipe.outliers.count(x.shape[-1])
+    x_hi, x_lo = _split(x, channels, n, 2)
+    w_hi, w_lo = _split(w, channels, n, 1)
+    hi = _high(recipe)
+    xq_lo = quantize_operand(x_lo, recipe.fprop_x, -1, keys["fprop_x"], signs["fprop_x"],
+                             backend)
+    wq_lo = quantize_operand(w_lo, recipe.fprop_w, 1, keys["fprop_w"], signs["fprop_w"],
+                             backend)
+    xq_hi = quantize_operand(x_hi, hi, -1, None, "none", backend)
+    wq_hi = quantize_operand(w_hi, hi, 1, None, "none", backend)
+    y = _mm(xq_lo, wq_lo, _BMK_BKN) + _mm(xq_hi, wq_hi, _BMK_BKN)
+    return y, _merge(xq_hi, xq_lo, channels, 2), _merge(wq_hi, wq_lo, channels, 1), None
+
+
+def _wgrad_split(xq, dy, q, recipe: Recipe, channels, backend):
+    """OutControl's wgrad (rows of dW, one per channel of K): the forward's X requantized
+    along the tokens, its rest channels as ``wgrad_x`` says with dY as ``wgrad_dy``, its
+    outlier channels and dY in the outlier format."""
+    x_hi, x_lo = _split(xq, channels, recipe.outliers.count(xq.shape[-1]), 2)
+    dw_lo = _mm(q("wgrad_x", x_lo), q("wgrad_dy", dy), _BMK_BMN)
+    dw_hi = _mm(quantize_operand(x_hi, _high(recipe, "forward"), AXIS["wgrad_x"], None,
+                                 "none", backend),
+                quantize_operand(dy, _high(recipe), AXIS["wgrad_dy"], None, "none", backend),
+                _BMK_BMN)
+    return _merge(dw_hi, dw_lo, channels, 1)
 
 
 def _trust_masks(x, w, recipe: Recipe, signs):
@@ -229,7 +282,8 @@ def _to_input_domain(g, name, recipe: Recipe, mask, length, signs):
     return g
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, signs):
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, signs,
+              channels=None):
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
 
@@ -251,6 +305,8 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, 
     dx = _mm(q("dgrad_dy", dy), wq2, _BMN_BKN)
     if w_dom:
         dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], x.shape[-1], signs)
+    if channels is not None:
+        return dx, _wgrad_split(xq, dy, q, recipe, channels, backend)
     x_src = xq if recipe.wgrad_x.source == "forward" else x
     dw = _mm(q("wgrad_x", x_src), q("wgrad_dy", dy), _BMK_BMN)
     if x_dom:
@@ -290,7 +346,7 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
     out_dtype = jnp.result_type(lhs, rhs)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if recipe.needs_key else None
     res = jax.eval_shape(lambda a, b, k: _qdot_fwd(plan, recipe, out_dtype, "xla", a, b, k,
-                                                   None, None)[1], lhs, rhs, key)
+                                                   None, None, None)[1], lhs, rhs, key)
     size = lambda t: sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize  # noqa: E731
                          for a in jax.tree.leaves(t))
     x, w = size(res[0]), size(res[1])
@@ -300,31 +356,40 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe, history):
+def _qdot(plan: _Plan, recipe: Recipe, out_dtype, backend, lhs, rhs, key, probe, history,
+          channels):
     x, w = _to_canon(lhs, rhs, plan)
     amax = _delayed_amaxes(recipe, history)
-    y = _forward(x, w, operand_keys(key), recipe, backend, amax, operand_signs(recipe, key))[0]
+    y = _forward(x, w, operand_keys(key), recipe, backend, amax, operand_signs(recipe, key),
+                 channels)[0]
     return y.reshape(plan.out_shape).astype(out_dtype)
 
 
-def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history):
+def _fp4_part(t, recipe: Recipe, channels, axis):
+    """What the probes measure of a split tensor (OutControl): its recipe-quantized part."""
+    if channels is None:
+        return t
+    return _split(t, channels, recipe.outliers.count(t.shape[axis]), axis)[1]
+
+
+def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history, channels):
     x, w = _to_canon(lhs, rhs, plan)
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
     signs = operand_signs(recipe, key)
-    y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax, signs)
-    fwd_probes = None if probe is None else measure(recipe, {"x": x, "w": w}, keys, amax,
-                                                    signs,
-                                                    ("fprop",))
+    y, xq, wq, qw = _forward(x, w, keys, recipe, backend, amax, signs, channels)
+    fwd_probes = None if probe is None else measure(
+        recipe, {"x": _fp4_part(x, recipe, channels, 2), "w": _fp4_part(w, recipe, channels, 1)},
+        keys, amax, signs, ("fprop",))
     keep = recipe.backward == "ste" or recipe.requantizes
     res = (_saved.store(x, recipe.saved_x), w, key) + (
         (xq, wq) if keep else (None, None)) + (qw, _trust_masks(x, w, recipe, signs), fwd_probes,
-                                               history)
+                                               history, channels)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
 def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
-    x, w, key, xq, wq, qw, masks, fwd_probes, history = res
+    x, w, key, xq, wq, qw, masks, fwd_probes, history, channels = res
     x = _saved.restore(x, recipe.saved_x)
     b, m, _, n = plan.bmkn
     # a constant cotangent (``loss = y.sum()``) would otherwise be quantized by XLA's
@@ -333,13 +398,15 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     keys = operand_keys(key)
     amax = _delayed_amaxes(recipe, history)
     signs = operand_signs(recipe, key)
-    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax, signs)
-    tensors = {"x": x, "w": w, "dy": dy, "fwd_x": xq, "fwd_w": wq}
+    dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax, signs,
+                       channels)
+    tensors = {"x": x, "w": w, "dy": dy, "fwd_x": _fp4_part(xq, recipe, channels, 2),
+               "fwd_w": wq}
     probes = None if fwd_probes is None else jnp.concatenate(
         [fwd_probes, measure(recipe, tensors, keys, amax, signs, ("dgrad", "wgrad"))])
     seen = _history_grad(history, recipe, tensors)
     return (_from_canon(dx, plan.lhs_canon, plan.lhs_perm, x.dtype),
-            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes, seen)
+            _from_canon(dw, plan.rhs_canon, plan.rhs_perm, w.dtype), None, probes, seen, None)
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -352,8 +419,8 @@ def _check_operand(name, x):
 
 
 def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
-                 probe=None, amax_history=None, backend: str = "auto", precision=None,
-                 preferred_element_type=None, out_sharding=None):
+                 probe=None, amax_history=None, channels=None, backend: str = "auto",
+                 precision=None, preferred_element_type=None, out_sharding=None):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
     Args:
@@ -366,6 +433,10 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       amax_history: for recipes with delayed scaling (``fp8_delayed``): this GEMM's history,
         ``fp4lab.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
         step's amaxes for :func:`fp4lab.delayed.update`.
+      channels: for recipes with OutControl (``tetrajet_v2_outcontrol``): the K channels of
+        the reduction axis, outliers first (:func:`fp4lab.outcontrol.channel_order` of
+        their summed :func:`~fp4lab.outcontrol.channel_norms`); the GEMM then splits K as
+        :class:`fp4lab.recipe.OutControl` says. ``None``: the recipe without the split.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
         :mod:`fp4lab.backend`); round-to-nearest kernels give the same bits, stochastic
         rounding kernels other (equally unbiased) random bits.
@@ -403,13 +474,19 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
                          f"(shape {PROBE_SHAPE})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
+    if channels is not None:
+        if recipe.outliers is None:
+            raise ValueError(f"channels given, but recipe {recipe.name} has no OutControl")
+        channels = check_channels(channels, plan.bmkn[2])
+        recipe.outliers.count(plan.bmkn[2])  # both parts non-empty, else an error here
     y = _qdot(plan, recipe, out_dtype, backend, jnp.asarray(lhs), jnp.asarray(rhs), key, probe,
-              amax_history)
+              amax_history, channels)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
-            amax_history=None, backend: str = "auto", preferred_element_type=None,
+            amax_history=None, channels=None, backend: str = "auto",
+            preferred_element_type=None,
             precision=None, out_sharding=None):
     """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
 
@@ -420,7 +497,7 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     del precision
     plan = plan_einsum(spec, jnp.shape(a), jnp.shape(b))
     y = qdot_general(a, b, plan.dimension_numbers, recipe, key=key, probe=probe,
-                     amax_history=amax_history, backend=backend,
+                     amax_history=amax_history, channels=channels, backend=backend,
                      preferred_element_type=preferred_element_type)
     y = jnp.transpose(y, plan.out_perm)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

@@ -26,8 +26,8 @@ from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
 from fp4lab.operands import OPERAND_TABLE, OPERANDS, Operand
 
-__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe", "SavedX",
-           "RECIPES", "get_recipe", "recipe_names"]
+__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "OutControl", "Recipe",
+           "SavedX", "RECIPES", "get_recipe", "recipe_names"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +110,51 @@ class SavedX:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OutControl:
+    """TetraJet-v2's OutControl: a layer's outlier input channels (of K) kept in a higher
+    precision, chosen once from the input's accumulated per-channel L2 norms
+    (:mod:`fp4lab.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
+
+    With ``channels`` (K indices, most outlying first) the GEMM splits K: the first
+    :meth:`count` channels of X and W are quantized in ``format`` (round to nearest, blocks
+    along K) and the rest as ``fprop_x``/``fprop_w`` say, each part over its channels in
+    that order, and ``Y`` is the FP4 product plus the high-precision one. The wgrad GEMM
+    splits the same way (rows of dW: X requantized from the forward's and dY, both in
+    ``format`` along the tokens, for the outlier channels); dgrad requantizes the whole
+    forward W (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe
+    without the split (the authors' layer before its channels are chosen).
+
+    ``count(K) = min(K // align * align, ceil(int(fraction * K) / align) * align)``: the
+    authors' kernels use ``align=128`` (whole 128-blocks; ``linear_mix.py``), the paper's
+    simulated results about ``fraction * K`` channels (``align=1``)."""
+
+    fraction: float = 0.1
+    align: int = 1
+    format: str | Format = "mxfp8"
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", get_format(self.format))
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"OutControl fraction={self.fraction} must lie in (0, 1)")
+        if self.align < 1:
+            raise ValueError(f"OutControl align={self.align} must be >= 1")
+
+    def count(self, k: int) -> int:
+        """How many of ``k`` input channels go to ``format`` (0 < count < k, else an error)."""
+        n = min(k // self.align * self.align,
+                -(-int(self.fraction * k) // self.align) * self.align)
+        if not 0 < n < k:
+            raise ValueError(f"OutControl(fraction={self.fraction}, align={self.align}) keeps "
+                             f"{n} of K={k} input channels in {self.format.name}; it needs "
+                             "at least one channel in each part")
+        return n
+
+    def describe(self) -> str:
+        return (f"OutControl: top {self.fraction:.0%} of K in {self.format.name} (fprop, "
+                "wgrad) once chosen" + (f", whole {self.align}s" if self.align > 1 else ""))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Quantization of the six GEMM operands of a linear layer (see module docstring).
 
@@ -118,7 +163,8 @@ class Recipe:
     ``"random"``: one drawn from the GEMM's key at every call, per GEMM (shared by its two
     operands), as Quartet, Quartet II and TetraJet-v2 redraw theirs.
     ``delayed``: scale the per-tensor operands from an amax history (:mod:`fp4lab.delayed`);
-    the GEMM then needs ``amax_history=``.
+    the GEMM then needs ``amax_history=``. ``outliers``: TetraJet-v2's OutControl
+    (:class:`OutControl`); the GEMM splits K once it is given ``channels=``.
     """
 
     name: str
@@ -133,6 +179,7 @@ class Recipe:
     delayed: DelayedScaling | None = None
     saved_x: SavedX | None = None  # None: the GEMM saves X as it came (today's)
     trust: bool = False
+    outliers: OutControl | None = None
     follows: str = ""
 
     def __post_init__(self):
@@ -165,6 +212,13 @@ class Recipe:
             raise ValueError(f"recipe {self.name}: requantizing the forward's operands and "
                              "the trust mask need backward='quantized', no saved_x and no "
                              "delayed scaling")
+        if self.outliers is not None and (
+                fx.hadamard or fw.hadamard or fw.tile or self.trust
+                or self.dgrad_w.source != "forward" or self.wgrad_x.source != "forward"):
+            raise ValueError(f"recipe {self.name}: OutControl splits the forward's K and "
+                             "requantizes the backward from the split forward: it needs "
+                             "forward operands without a Hadamard transform or 2D tile, no "
+                             "trust mask, and dgrad_w and wgrad_x with source='forward'")
         if self.saved_x is not None and self.backward == "ste":
             raise ValueError(f"recipe {self.name}: saved_x needs backward='quantized' (a QAT "
                              "recipe's backward uses the quantized forward operands)")
@@ -223,6 +277,8 @@ class Recipe:
             text += f"; {self.saved_x.describe()}"
         if self.trust:
             text += "; trust mask (gradient only where the forward did not clip)"
+        if self.outliers:
+            text += f"; {self.outliers.describe()}"
         return text
 
 
@@ -341,8 +397,15 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         follows="TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f): "
                 "double-block NVFP4 (outer float32 scale per 128), RTN forward, RHT16 and "
                 "dithered SR on the four backward operands, W and X requantized from the "
-                "forward's; OsciReset is train.osci_reset (fp4lab.osci_reset), OutControl "
-                "is not implemented"),
+                "forward's; OsciReset is train.osci_reset (fp4lab.osci_reset); "
+                "tetrajet_v2_outcontrol adds OutControl"),
+    _requantizing(
+        "tetrajet_v2_outcontrol", _op("nvfp4_double"),
+        _op("nvfp4_double", rounding="stochastic", hadamard=16), outliers=OutControl(),
+        follows="TetraJet-v2's 'mix_fp8' configs (thu-ml/TetraJet-v2-NVFP4Training ca5953f, "
+                "linear_mix.py): tetrajet_v2 with OutControl, the 10 % input channels of "
+                "largest accumulated L2 norm in MXFP8 (RCEIL, RTN) in fprop and wgrad, once "
+                "chosen (experiments: train.outcontrol; fp4lab.outcontrol)"),
     Recipe(
         name="fp4_all_the_way",
         fprop_x=_op("nvfp4_atw"), fprop_w=_op("nvfp4_atw"),

@@ -12,7 +12,9 @@
   :func:`eden`).
 * TetraJet-v2, thu-ml/TetraJet-v2-NVFP4Training @ ca5953f643d85c793fb3a210bf21f17fc88ce83e,
   ``kernels/csrc/quant_fp4.cu`` ``quant_fp4_from_reg`` and ``get_value_added_noise``
-  (:func:`double_block`).
+  (:func:`double_block`), ``kernels/csrc/quant_fp8.cu`` (:func:`tetrajet_fp8`) and
+  OutControl's GEMMs, ``olmo2-training/olmo/quantization_real/linear_mix.py``
+  (:func:`outcontrol_gemms`).
 * FP4 All the Way (arXiv 2505.19115), ``experimental/fp4.py`` ``fake_quant_fp4(...,
   block_size=16, scale_format='e4m3')`` as its public copies give it (the authors' repository
   is not available, so no commit can be named) (:func:`atw_nvfp4`).
@@ -47,7 +49,8 @@ F = np.float32
 TINY = np.finfo(F).tiny  # 2**-126
 
 __all__ = ["e2m1_rne", "e4m3_rne_sat", "e4m3_code", "e4m3_value", "quest_mxfp4", "tseng_mxfp4",
-           "quartet2_rtn", "eden", "double_block", "atw_nvfp4", "GAUSSIAN_SCALE"]
+           "quartet2_rtn", "eden", "double_block", "tetrajet_fp8", "outcontrol_gemms",
+           "atw_nvfp4", "GAUSSIAN_SCALE"]
 
 GAUSSIAN_SCALE = F(2.92247856 / 6.0)  # Quartet's gs, a float32 constant of the kernel
 
@@ -373,6 +376,69 @@ def double_block(x, u=None, *, nan_propagates=True, ftz=False, outer=128, inner=
         v = dither(v, r, A)
     y = A.mul(e2m1_rne(v), d)
     return y.reshape(rows, cols), is8.reshape(rows, cols // inner)
+
+
+def tetrajet_fp8(x, *, nan_propagates=True, ftz=False, block=32):
+    """TetraJet-v2's MXFP8 (``quant_fp8.cu``) along the last axis: amax per 32 (``fmax``),
+    e = ``cvt.rp.satfinite.ue8m0`` of fl(amax/448) (the least power of two >= it; 2**-127
+    where it is at most 2**-127, zero included), v = x * 2**-e (exact), E4M3 RNE satfinite,
+    y = q * 2**e. ``nan_propagates=False`` is the kernel's ``fmax`` (an Inf block then scales
+    by 2**127 and gives NaN and zeros); True is fp4lab's MX rule (a NaN or Inf makes its block
+    NaN). Returns (y, e) with e the unbiased exponent."""
+    A = _Arith(ftz)
+    b = _blocks(A.f(x), block)
+    if nan_propagates:
+        amax = _absmax(b)
+    else:
+        amax = np.nanmax(np.where(np.isnan(b), F(0), np.abs(b)), axis=-1, keepdims=True)
+    d = A.div(amax.astype(F), F(448))
+    fin = np.isfinite(d)
+    m, ex = np.frexp(np.where(fin & (d > 0), d, F(1)).astype(np.float64))  # d = m 2**ex
+    e = np.where(m == 0.5, ex - 1, ex)  # ceil(log2 d), exact for float32 d
+    e = np.where(d > 0, np.maximum(e, -127), -127)
+    e = np.where(np.isinf(d), 127, e)
+    scale = np.ldexp(np.ones_like(d, dtype=np.float64), e)
+    with np.errstate(invalid="ignore"):
+        y = e4m3_rne_sat(b.astype(np.float64) / scale).astype(np.float64) * scale
+    if nan_propagates:
+        y = np.where(np.isfinite(amax), y, np.nan)
+    else:  # 2**127: the kernel's multiplier bits (254 - 254) << 23 are the float 0
+        y = np.where(np.isinf(d), np.where(np.isfinite(b), np.copysign(0.0, b), np.nan), y)
+    return y.astype(F).reshape(np.shape(x)), e[..., 0]
+
+
+def _padded(fn, x, multiple, **kw):
+    """``fn`` (blocked along the last axis) on ``x`` zero-padded to ``multiple`` columns."""
+    x = np.asarray(x, F)
+    pad = -x.shape[1] % multiple
+    return fn(np.pad(x, ((0, 0), (0, pad))), **kw)[0][:, :x.shape[1]]
+
+
+def outcontrol_gemms(x, w, dy, channels, n, *, ftz=False):
+    """TetraJet-v2's mixed NVFP4/MXFP8 layer (``linear_mix.py``) with every rounding to
+    nearest and no Hadamard transform in the backward: X (M, K), W (K, N), dY (M, N) with W
+    stored K-major as Flax does (the authors' ``w`` is its transpose), ``channels`` the K
+    indices, the ``n`` outliers first. Forward: each part of X and W gathered in that order
+    and quantized along K (double-block FP4 / MXFP8), ``Y = X4 W4 + X8 W8``. dgrad: the
+    forward's W rebuilt in K's order from both dequantized parts, requantized along N with
+    dY, ``dX = dY W^T``. wgrad: dW's rows of each part from that part of the forward's X
+    requantized along M, with dY along M in the same format. Products in float64. Returns
+    (Y, dX, dW)."""
+    x, w, dy = (np.asarray(a, F) for a in (x, w, dy))
+    hi, lo = np.asarray(channels[:n]), np.asarray(channels[n:])
+    f4 = lambda a: _padded(double_block, a, 128, ftz=ftz)  # noqa: E731
+    f8 = lambda a: _padded(tetrajet_fp8, a, 32, ftz=ftz)  # noqa: E731
+    x4, x8 = f4(x[:, lo]), f8(x[:, hi])
+    w4, w8 = f4(w[lo].T).T, f8(w[hi].T).T  # along K
+    d = np.float64
+    y = x4.astype(d) @ w4.astype(d) + x8.astype(d) @ w8.astype(d)
+    wq = np.empty_like(w)
+    wq[lo], wq[hi] = w4, w8
+    dx = f4(dy).astype(d) @ f4(wq).astype(d).T  # both along N
+    dw = np.empty(w.shape, d)
+    dw[lo] = f4(x4.T).astype(d) @ f4(dy.T).astype(d).T
+    dw[hi] = f8(x8.T).astype(d) @ f8(dy.T).astype(d).T
+    return y, dx, dw
 
 
 # --------------------------------------------------------------------------- FP4 All the Way

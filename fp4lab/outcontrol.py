@@ -1,0 +1,64 @@
+"""OutControl: a layer's outlier input channels kept in a higher precision.
+
+TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f,
+``olmo2-training/olmo/quantization_real/linear_mix.py`` and ``calibrate.py``) keeps the input
+channels (of the reduction axis K) with the largest activations in MXFP8 and the rest in
+NVFP4. Each layer chooses its channels once, during training::
+
+    steps [start, start + steps)   norms += ||X[:, k]||_2 over the step's tokens, per channel k
+    step start + steps             channels = the channel indices by descending summed norm;
+                                   from then on the GEMM splits K (``qdot_general(...,
+                                   channels=channels)``; :class:`fp4lab.recipe.OutControl`)
+
+The authors' configs: ``start`` 501, ``steps`` 50, 10 % of the channels. Their ranks each add
+the norm of every microbatch they see and sum over ranks at the end; fp4lab adds the norm of
+each step's whole (global) batch, the same statistic up to how the batch is partitioned.
+Pure functions, as :mod:`fp4lab.delayed`: :func:`channel_norms` (what one call adds) and
+:func:`channel_order` (the choice); the training loop keeps the sums (experiments:
+``train.outcontrol``; Linen: the ``"channel_norms"`` collection,
+:meth:`fp4lab.flax.linen.QuantizedLinen.outcontrol_channels`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["channel_norms", "channel_order", "check_channels"]
+
+
+def channel_norms(lhs, dimension_numbers) -> jax.Array:
+    """``||X[:, k]||_2`` for every channel ``k`` of a GEMM's reduction axis: ``lhs`` (the
+    operand playing X in ``qdot_general(lhs, rhs, dimension_numbers)``) with its contracting
+    dims flattened to K (in order), the norm over every other element, in float32."""
+    (lc, _), _ = dimension_numbers
+    lc = tuple(int(a) % jnp.ndim(lhs) for a in lc)
+    rest = tuple(a for a in range(jnp.ndim(lhs)) if a not in lc)
+    x = jnp.transpose(jnp.asarray(lhs), rest + lc).astype(jnp.float32)
+    x = x.reshape(-1, math.prod(jnp.shape(lhs)[a] for a in lc))
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=0))
+
+
+def channel_order(norms) -> jax.Array:
+    """The channels by descending ``norms`` (ties: the lower index first), as int32: the
+    ``channels`` argument of :func:`fp4lab.qdot_general`. A NaN sum (a step whose input
+    held NaN) ranks last, as ``jnp.argsort`` orders NaN last."""
+    norms = jnp.asarray(norms, jnp.float32)
+    if norms.ndim != 1:
+        raise ValueError(f"channel_order takes one layer's K norms; got shape {norms.shape}")
+    return jnp.argsort(-norms, stable=True).astype(jnp.int32)
+
+
+def check_channels(channels, k: int) -> jax.Array:
+    """``channels`` as int32 of shape ``(k,)``, or an error naming its shape or dtype (its
+    values, traced under jit, must be a permutation: :func:`channel_order` gives one)."""
+    if not jnp.issubdtype(jnp.result_type(channels), jnp.integer):
+        raise TypeError(f"channels has dtype {jnp.result_type(channels)}; it is K channel "
+                        "indices (fp4lab.outcontrol.channel_order)")
+    if jnp.shape(channels) != (k,):
+        raise ValueError(f"channels has shape {jnp.shape(channels)}; the GEMM's reduction "
+                         f"axis has K={k} channels")
+    return lax.convert_element_type(channels, jnp.int32)
