@@ -1,7 +1,8 @@
 """The pure parts of training: state, optimizer, loss, and the jitted train and eval steps.
 
 * :class:`TrainState`: step, FP32 master weights, optimizer state, the first non-finite step
-  (``bad_step``) and the FP8 delayed-scaling amax history;
+  (``bad_step``), the FP8 delayed-scaling amax history, OsciReset's state and OutControl's
+  summed input-channel norms;
 * :func:`make_optimizer` (from ``experiments.optimizers``): AdamW or Muon, with a cosine or
   warmup-stable-decay (WSD) schedule and gradient clipping;
 * :func:`make_loss`: cross-entropy (plus the weighted multi-token-prediction loss) of a
@@ -27,10 +28,10 @@ import optax
 
 from experiments.model import ModelConfig
 from experiments.optimizers import make_optimizer
-from fp4lab import delayed, osci_reset
+from fp4lab import delayed, osci_reset, outcontrol
 
 __all__ = ["TrainState", "GradReduce", "model_config", "make_optimizer", "make_loss",
-           "make_grad_fn", "make_step", "make_eval"]
+           "make_grad_fn", "make_step", "make_eval", "OutControlSchedule", "channel_norms_zeros"]
 
 
 @flax.struct.dataclass
@@ -43,7 +44,55 @@ class TrainState:
     amax_history: dict | None = None
     # OsciReset's state (fp4lab.osci_reset; None when train.osci_reset is off)
     osci: osci_reset.OsciState | None = None
+    # OutControl: the "channel_norms" collection, each GEMM's summed input-channel norms
+    # (fp4lab.outcontrol; None when no layer's recipe has OutControl)
+    channel_norms: dict | None = None
 
+
+@dataclasses.dataclass(frozen=True)
+class OutControlSchedule:
+    """``train.outcontrol``: OutControl's layers sum their input-channel norms over the steps
+    ``[start, start + steps)`` and split K from then on (:mod:`fp4lab.outcontrol`)."""
+
+    start: int
+    steps: int
+
+    def phase(self, step: int) -> str:
+        """``"plain"`` (the recipe without the split), ``"record"`` or ``"split"``."""
+        if step < self.start:
+            return "plain"
+        return "record" if step < self.start + self.steps else "split"
+
+
+def channel_norms_zeros(qmodel, params, sample) -> dict | None:
+    """The ``"channel_norms"`` collection's first value: zeros of every OutControl GEMM's K
+    (found by tracing the model once, abstractly), or None if no GEMM has OutControl."""
+    shapes = jax.eval_shape(lambda p: qmodel.apply(
+        {"params": p}, sample, rngs={"quant": jax.random.key(0)},
+        mutable=["channel_norms"])[1], params).get("channel_norms")
+    if not shapes:
+        return None
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), flax.core.unfreeze(shapes))
+
+
+class _Split:
+    """``qmodel`` whose OutControl GEMMs split K by the channel order of ``norms``."""
+
+    def __init__(self, qmodel, norms):
+        self.qmodel = qmodel
+        self.channels = jax.tree.map(outcontrol.channel_order, norms)
+
+    def apply(self, variables, *args, **kwargs):
+        return self.qmodel.apply({**variables, "outlier_channels": self.channels}, *args,
+                                 **kwargs)
+
+
+def _recorded(qmodel, params, norms, tokens, key):
+    """``norms`` plus this step's input-channel norms of every OutControl GEMM (a forward
+    pass of the step's own inputs and key: the activations the step trains on)."""
+    _, updates = qmodel.apply({"params": params, "channel_norms": norms}, tokens[:, :-1],
+                              rngs={"quant": key}, mutable=["channel_norms"])
+    return flax.core.unfreeze(updates)["channel_norms"]
 
 def model_config(config, data=None) -> ModelConfig:
     """The model a config trains; with its ``data``, the vocabulary covers the data's (a token
@@ -207,18 +256,23 @@ def _osci_reset(osci, params: dict, state, t):
 
 
 def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool,
-              reduce: GradReduce | None = None, mesh=None, osci=None):
+              reduce: GradReduce | None = None, mesh=None, osci=None, phase: str = "plain"):
     """``step(state, tokens, weights, probes) -> (state, metrics, probe gradients)``, jitted
     with the state donated. The SR key of a step is a function of ``seed`` and the step; the
     seed's key is an argument of the compiled program, not a constant in it, so runs that
     differ only in their seed compile the same program (the sweep's seeds share one compile
     through JAX's compilation cache). ``reduce``: the explicit gradient reduction over
     ``mesh``'s ``data`` axis (:func:`make_grad_fn`). ``osci``: ``(OsciReset, kernel
-    paths)``, applied after each optimizer step (``state.osci`` holds its state)."""
-    grad_fn = make_grad_fn(qmodel, mtp_weight, reduce, mesh)
+    paths)``, applied after each optimizer step (``state.osci`` holds its state). ``phase``
+    (OutControl, :class:`OutControlSchedule`): ``"record"`` adds the step's input-channel
+    norms to ``state.channel_norms``, ``"split"`` splits K by their order."""
+    if phase not in ("plain", "record", "split"):
+        raise ValueError(f"phase={phase!r}: 'plain', 'record' or 'split'")
 
     def step(state: TrainState, tokens, weights, probes, base_key):
         key = jax.random.fold_in(base_key, state.step)
+        model = _Split(qmodel, state.channel_norms) if phase == "split" else qmodel
+        grad_fn = make_grad_fn(model, mtp_weight, reduce, mesh)
         (loss, main), (grads, probe_grads, seen), extra = grad_fn(
             state.params, probes if with_probes else None, state.amax_history, tokens,
             weights, key)
@@ -233,13 +287,17 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
         history = None if state.amax_history is None else keep(
             delayed.update(state.amax_history, seen), state.amax_history)
+        norms = state.channel_norms
+        if phase == "record":
+            norms = keep(_recorded(qmodel, state.params, norms, tokens, key), norms)
         new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
                          params=keep(params, state.params),
                          opt_state=keep(opt_state, state.opt_state),
                          bad_step=jnp.where(ok | (state.bad_step >= 0), state.bad_step,
                                             state.step),
                          amax_history=history,
-                         osci=None if osci is None else keep(osci_state, state.osci))
+                         osci=None if osci is None else keep(osci_state, state.osci),
+                         channel_norms=norms)
         metrics = {"loss": main, "total_loss": loss, "grad_norm": gnorm,
                    "lr": sched(state.step), **extra, **resets}
         return new, metrics, probe_grads
@@ -247,9 +305,12 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
     return functools.partial(jax.jit(step, donate_argnums=0), base_key=jax.random.key(seed))
 
 
-def make_eval(qmodel, seed: int):
-    """``eval_fn(params, history, tokens, weights) -> main loss``, jitted (delayed scaling:
-    with the history the next step would use; no MTP term, a fixed SR key, an argument)."""
-    loss_fn = make_loss(qmodel, 0.0)
-    compiled = jax.jit(lambda p, h, tok, w, key: loss_fn(p, None, h, tok, w, key)[1])
-    return functools.partial(compiled, key=jax.random.key(seed))
+def make_eval(qmodel, seed: int, split: bool = False):
+    """``eval_fn(params, history, channel norms, tokens, weights) -> main loss``, jitted
+    (delayed scaling: with the history the next step would use; ``split``: OutControl's GEMMs
+    split K by the norms' channel order; no MTP term, a fixed SR key, an argument)."""
+    def main_loss(p, h, norms, tok, w, key):
+        model = _Split(qmodel, norms) if split else qmodel
+        return make_loss(model, 0.0)(p, None, h, tok, w, key)[1]
+
+    return functools.partial(jax.jit(main_loss), key=jax.random.key(seed))

@@ -35,7 +35,8 @@ from experiments.data import Batch, TextData, load_data
 from experiments.model import HybridLM
 from experiments.probes import probe_records, summarize_probes, underflow_by_kind
 from experiments.records import RunRecords, read_jsonl
-from experiments.step import (GradReduce, TrainState, make_eval, make_optimizer, make_step,
+from experiments.step import (GradReduce, OutControlSchedule, TrainState, channel_norms_zeros,
+                              make_eval, make_optimizer, make_step,
                               model_config)
 from fp4lab import osci_reset
 from fp4lab.flax import quantize_model
@@ -89,7 +90,8 @@ _LEAST = {"data.batch_size": 1, "data.seq_len": 1, "data.val_batches": 1, "train
           "train.warmup": 0, "train.log_every": 1, "train.eval_every": 0,
           "train.ckpt_every": 0, "probes.every": 0, "model.d_model": 1, "model.vocab": 1,
           "model.num_heads": 1, "model.mlp_mult": 1, "model.ssm_expand": 1,
-          "model.ssm_head_dim": 1, "model.ssm_state": 1, "model.conv_width": 1}
+          "model.ssm_head_dim": 1, "model.ssm_state": 1, "model.conv_width": 1,
+          "train.outcontrol.start": 0, "train.outcontrol.steps": 1}
 # the real numbers of a run and the interval each must be in
 _RANGES = {"train.lr": ("(0, inf)", lambda v: 0 < v < math.inf),
            "train.clip": ("[0, inf)", lambda v: 0 <= v < math.inf),
@@ -102,10 +104,12 @@ _RANGES = {"train.lr": ("(0, inf)", lambda v: 0 < v < math.inf),
 
 
 def _values(config, keys):
-    """``(key, value)`` of each dotted ``section.name`` key."""
+    """``(key, value)`` of each dotted key (``section.name``, ``section.sub.name``)."""
     for key in keys:
-        section, name = key.split(".")
-        yield key, config[section][name]
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        yield key, node
 
 
 def check_config(config):
@@ -283,6 +287,13 @@ class _Setup:
     params: dict  # the initial parameters and a sample batch, for ``qmodel.explain``
     sample: jax.Array
     osci: tuple | None = None  # (OsciReset, the kernel paths it tracks)
+    outcontrol: OutControlSchedule | None = None  # when a layer's recipe has OutControl
+
+    def phase(self, model, steps_done: int) -> str:
+        """How OutControl's GEMMs run the next step (``"plain"`` without them)."""
+        if self.outcontrol is None or model is not self.qmodel:
+            return "plain"
+        return self.outcontrol.phase(steps_done)
 
 
 def _param(params: dict, path: str):
@@ -324,13 +335,19 @@ def _build(config, data: TextData | None) -> _Setup:
     qmodel = quantize_model(model, policy, backend=config.precision.backend)
     history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
     osci = _osci(config, qmodel, params, sample)
+    norms = channel_norms_zeros(qmodel, params, sample)  # OutControl's layers, if any
+    if norms is not None and _grad_reduce(config) is not None:
+        raise ValueError(f"policy {config.precision.policy!r} has OutControl layers, whose "
+                         "channel norms are measured on the global batch: train.grad_reduce "
+                         f"={t.grad_reduce!r} (per-replica gradients) is not supported with them")
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1), amax_history=history,
                        osci=None if osci is None else osci_reset.init(
-                           [_param(params, p) for p in osci[1]]))
+                           [_param(params, p) for p in osci[1]]), channel_norms=norms)
+    o = t.outcontrol
     return _Setup(
         data=data, record=config_record(config, data, policy), place=place, qmodel=qmodel,
-        osci=osci,
+        osci=osci, outcontrol=None if norms is None else OutControlSchedule(o.start, o.steps),
         bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
         state=jax.device_put(state, place.replicated),
         probes=qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None,
@@ -507,23 +524,26 @@ class _Programs:
         self._val = setup.data.val_batches(config.data.val_batches, config.data.batch_size,
                                            config.data.seq_len)
 
-    def step(self, model, with_probes: bool):
-        k = (id(model), with_probes)
+    def step(self, model, with_probes: bool, phase: str = "plain"):
+        k = (id(model), with_probes, phase)
         if k not in self._steps:
             self.log.interval.compiled = True
             self._steps[k] = make_step(model, self.setup.tx, self.setup.sched,
                                        self.config.seed, self.config.train.mtp_weight,
                                        with_probes, _grad_reduce(self.config),
-                                       self.setup.place.batch.mesh, self.setup.osci)
+                                       self.setup.place.batch.mesh, self.setup.osci, phase)
         return self._steps[k]
 
-    def evaluate(self, model, state: TrainState) -> float:
-        """Validation loss (delayed scaling: with the history the next step would use)."""
-        if id(model) not in self._evals:
-            self._evals[id(model)] = make_eval(model, self.config.seed)
-        f = self._evals[id(model)]
-        return float(np.mean([f(state.params, state.amax_history, *self.setup.place.put(b))
-                              for b in self._val]))
+    def evaluate(self, model, state: TrainState, steps_done: int) -> float:
+        """Validation loss after ``steps_done`` steps (delayed scaling: with the history the
+        next step would use; OutControl: split as the next step would be)."""
+        split = self.setup.phase(model, steps_done) == "split"
+        k = (id(model), split)
+        if k not in self._evals:
+            self._evals[k] = make_eval(model, self.config.seed, split)
+        f = self._evals[k]
+        return float(np.mean([f(state.params, state.amax_history, state.channel_norms,
+                                *self.setup.place.put(b)) for b in self._val]))
 
 
 @dataclasses.dataclass
@@ -562,7 +582,7 @@ class _Loop:
             s % c.probes.every == 0 or s == c.train.steps - 1)
         fn = self.programs.step(model, with_probes=bool(
             self.setup.probes is not None and (c.probes.fused or do_probe)
-            and model is self.setup.qmodel))
+            and model is self.setup.qmodel), phase=self.setup.phase(model, s))
         b = self.setup.data.batch(c.seed, s, c.data.batch_size, c.data.seq_len)
         self.state, metrics, probe_grads = fn(self.state, *self.setup.place.put(b),
                                               self.setup.probes)
@@ -582,7 +602,7 @@ class _Loop:
             self._flush(done)
         if t.eval_every and done % t.eval_every == 0 and done < t.steps:
             self._flush(done)
-            self.records.val_loss(s, self.programs.evaluate(model, self.state), done)
+            self.records.val_loss(s, self.programs.evaluate(model, self.state, done), done)
             self.log.mark(done)
         if t.ckpt_every and done % t.ckpt_every == 0 and done < t.steps:
             self._flush(done)
@@ -624,7 +644,7 @@ class _Loop:
     def _finish(self) -> float:
         steps = self.config.train.steps
         self._flush(steps)
-        val_loss = self.programs.evaluate(self.model_at(steps - 1), self.state)
+        val_loss = self.programs.evaluate(self.model_at(steps - 1), self.state, steps)
         self.records.val_loss(steps - 1, val_loss, steps)
         if self.ckpt.latest() != steps:  # (a rerun of a finished run restores this one)
             self.ckpt.save(steps, self.state, force=True)

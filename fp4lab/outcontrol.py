@@ -14,9 +14,10 @@ The authors' configs: ``start`` 501, ``steps`` 50, 10 % of the channels. Their r
 the norm of every microbatch they see and sum over ranks at the end; fp4lab adds the norm of
 each step's whole (global) batch, the same statistic up to how the batch is partitioned.
 Pure functions, as :mod:`fp4lab.delayed`: :func:`channel_norms` (what one call adds) and
-:func:`channel_order` (the choice); the training loop keeps the sums (experiments:
-``train.outcontrol``; Linen: the ``"channel_norms"`` collection,
-:meth:`fp4lab.flax.linen.QuantizedLinen.outcontrol_channels`).
+:func:`channel_order` (the choice); the training loop keeps the sums. With Linen
+(``quantize_model``): ``apply(..., mutable=["channel_norms"])`` adds each OutControl GEMM's
+norms to that collection, and ``{"outlier_channels": jax.tree.map(channel_order, sums)}``
+among the variables splits the GEMMs (experiments: ``train.outcontrol``).
 """
 
 from __future__ import annotations

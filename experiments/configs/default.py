@@ -48,6 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
         # in osci_reset.format; period 0 = off (the authors: 200, 50, 8, from step 8000)
         osci_reset=ml_collections.ConfigDict(dict(
             period=0, window=50, threshold=8.0, start=0, format="nvfp4_double")),
+        # TetraJet-v2's OutControl (fp4lab.outcontrol), for layers whose recipe has it
+        # (tetrajet_v2_outcontrol): input-channel norms summed over steps [start, start +
+        # steps), the split from then on (the authors: 501 and 50 of 12505 steps)
+        outcontrol=ml_collections.ConfigDict(dict(start=5, steps=5)),
         # "xla", or fp32 | bf16_wire | bf16_ring | bf16_tree spelled out per replica, with
         # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
         grad_reduce="xla", grad_reduce_rules=(),

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fp4lab import outcontrol
 from fp4lab.delayed import init_history
+from fp4lab.einsum import plan_einsum
 from fp4lab.flax.internals import (linen_calling_module, linen_child, linen_einsum_bias_shape,
                                    linen_lifted_rng_split, linen_module_stack)
-from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, quantized_call,
-                             runs_as_written, trace_abstractly)
+from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
+                             quantized_call, runs_as_written, trace_abstractly)
 from fp4lab.policy import OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused
 from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
@@ -112,6 +114,24 @@ def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
                      "gives the first one)")
 
 
+def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
+                    name: str = "gemm"):
+    """OutControl's state of a GEMM whose recipe has ``outliers``: when the caller made the
+    ``"channel_norms"`` collection mutable, this call's per-channel L2 norms of X are added to
+    its variable ``name`` (zeros at first); the GEMM's ``"outlier_channels"`` variable, if
+    given, is its split (``fp4lab.outcontrol``). ``None``: the recipe without the split."""
+    if recipe.outliers is None:
+        return None
+    if (module.is_mutable_collection("channel_norms") and not module.is_initializing()
+            and _recording.get() is None):
+        norms = outcontrol.channel_norms(lhs, dimension_numbers)
+        v = module.variable("channel_norms", name, jnp.zeros, norms.shape, jnp.float32)
+        v.value = v.value + norms
+    if module.has_variable("outlier_channels", name):
+        return module.get_variable("outlier_channels", name)
+    return None
+
+
 @contextlib.contextmanager
 def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
     """Route a Linen ``Dense``/``DenseGeneral``'s ``dot_general`` through ``qdot_general`` for
@@ -122,7 +142,9 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
         _note("/".join(module.scope.path), rhs)
         return qdot_general(lhs, rhs, dimension_numbers, recipe,
                             key=_linen_key(module, recipe), probe=_linen_probe(module),
-                            amax_history=_linen_history(module, recipe), backend=backend,
+                            amax_history=_linen_history(module, recipe),
+                            channels=_linen_channels(module, recipe, lhs, dimension_numbers),
+                            backend=backend,
                             preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
@@ -148,9 +170,11 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
     _note("/".join(module.scope.path), kernel)
+    dims = plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers
     y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
                 probe=_linen_probe(module), amax_history=_linen_history(module, recipe),
-                backend=backend, preferred_element_type=module.preferred_element_type)
+                channels=_linen_channels(module, recipe, inputs, dims), backend=backend,
+                preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
 
@@ -205,10 +229,13 @@ class _OpNamer(CallCounter):
 
 
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
-    """An intercepted call with its module's key, probe and amax history."""
+    """An intercepted call with its module's key, probe, amax history and OutControl."""
+    channels = None if recipe.outliers is None else _linen_channels(
+        module, recipe, *operand_x(kind, args, kwargs), name)
     return quantized_call(op_path, kind, recipe, args, kwargs,
                           key=_linen_key(module, recipe), probe=_linen_probe(module, name),
-                          amax_history=_linen_history(module, recipe, name), backend=backend)
+                          amax_history=_linen_history(module, recipe, name), channels=channels,
+                          backend=backend)
 
 
 def _hooked_call(module, recipe, backend, next_fun, args, kwargs):

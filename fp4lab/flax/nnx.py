@@ -115,6 +115,11 @@ class _QuantizedGemm(nnx.Module):
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
                  backend: str = "auto", probe: bool = False):
         self.recipe = get_recipe(recipe)
+        if self.recipe.outliers is not None:  # it would run without its split, silently
+            raise ValueError(
+                f"recipe {self.recipe.name} has OutControl, whose per-layer channel state the "
+                "NNX integration (and MaxText through it) does not carry: use the Linen "
+                "integration (QuantizedLinen, experiments/) or qdot_general(channels=...)")
         self.backend = backend
         key = rngs.quant() if rngs is not None and "quant" in rngs else jax.random.key(seed)
         self.sr_key = QuantKey(jax.random.key_data(key))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4lab.einsum import plan_einsum
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe
 
@@ -130,12 +131,22 @@ def runs_as_written(recipe: Recipe, kind: str, args) -> bool:
     return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes for a in operands)
 
 
+def operand_x(kind: str, args, kwargs) -> tuple:
+    """``(X, dimension_numbers)`` of an intercepted two-operand call, as ``qdot_general``
+    sees them (what OutControl measures)."""
+    if kind == "jnp.einsum":
+        spec, a, b = args[:3]
+        return a, plan_einsum(spec.replace(" ", ""), jnp.shape(a), jnp.shape(b)).dimension_numbers
+    return args[0], args[2] if len(args) > 2 else kwargs["dimension_numbers"]
+
+
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key=None,
-                   probe=None, amax_history=None, backend: str = "auto"):
+                   probe=None, amax_history=None, channels=None, backend: str = "auto"):
     """An intercepted call through ``qeinsum`` / ``qdot_general`` (first operand X, second
     W); ``op_path`` names it in errors."""
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
-    common = dict(key=key, probe=probe, amax_history=amax_history, backend=backend, **kw)
+    common = dict(key=key, probe=probe, amax_history=amax_history, channels=channels,
+                  backend=backend, **kw)
     if kind == "jnp.einsum":
         spec, *operands = args
         if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:

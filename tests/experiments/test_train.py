@@ -95,7 +95,8 @@ def _random_like(tree, seed=0):
 
 
 @pytest.mark.parametrize("optimizer, policy", [("adamw", "nvfp4"), ("muon", "fp8_delayed"),
-                                               ("adamw", "tetrajet_v2")])
+                                               ("adamw", "tetrajet_v2"),
+                                               ("adamw", "tetrajet_v2_outcontrol")])
 def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optimizer, policy):
     """What a resume reads back is what was saved: the whole TrainState (step, parameters,
     AdamW's or Muon's state, FP8 delayed scaling's amax histories) through train's own
@@ -111,6 +112,8 @@ def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optim
         tiny.train.osci_reset.period, tiny.train.osci_reset.window = 4, 1
     like = _build(tiny, text).state
     assert (like.osci is not None) == (policy == "tetrajet_v2")
+    # OutControl's summed channel norms are part of the state
+    assert (like.channel_norms is not None) == (policy == "tetrajet_v2_outcontrol")
     if policy == "fp8_delayed":
         assert jax.tree.leaves(like.amax_history)  # the histories are part of the state
     else:
@@ -431,3 +434,74 @@ def test_osci_reset_acts_at_the_end_of_each_window(tiny, text, tmp_path):
     tiny.precision.policy = "nvfp4"
     with pytest.raises(ValueError, match="no layer's forward weight is in format mxfp4"):
         train(tiny, tmp_path / "nvfp4", data=text, progress=False)
+
+
+def test_outcontrol_records_every_gemm_input(tiny, text):
+    """OutControl's record pass adds, per GEMM with the recipe, the L2 norm over the tokens
+    of each input channel of that GEMM's X in the step's forward pass (in the layer's
+    compute dtype): here against the inputs of every Dense layer, captured by a Flax
+    interceptor, summed in float64."""
+    import flax.linen as nn
+    import jax
+
+    from experiments.step import _recorded
+    from experiments.train import _build
+
+    tiny.precision.policy = "tetrajet_v2_outcontrol"
+    setup = _build(tiny, text)
+    norms0 = setup.state.channel_norms
+    assert all((np.asarray(v) == 0).all() for v in jax.tree.leaves(norms0))
+    tokens = setup.data.batch(0, 3, tiny.data.batch_size, tiny.data.seq_len).tokens
+    key = jax.random.key(11)
+    seen = {}
+
+    def capture(next_fun, args, kwargs, context):
+        m = context.module
+        if isinstance(m, (nn.Dense, nn.DenseGeneral, nn.Einsum)) and \
+                context.method_name == "__call__":
+            x = args[0] if m.dtype is None else args[0].astype(m.dtype)  # as the GEMM gets it
+            seen["/".join(m.scope.path)] = np.asarray(x, np.float64)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(capture):
+        once = _recorded(setup.qmodel, setup.state.params, norms0, tokens, key)
+    twice = _recorded(setup.qmodel, setup.state.params, once, tokens, key)
+    flat = {"/".join(k[:-1]): v for k, v in flax_flat(once).items()}
+    assert set(flat) == set(seen) and len(flat) == 7  # every GEMM of the tiny model
+    for path, x in seen.items():
+        k = flat[path].shape[0]
+        want = np.sqrt((x.reshape(-1, k) ** 2).sum(axis=0))  # the contracted dims trail
+        np.testing.assert_allclose(flat[path], want, rtol=1e-5, err_msg=path)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice)):
+        np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
+
+
+def flax_flat(tree):
+    import flax
+
+    return flax.traverse_util.flatten_dict(tree)
+
+
+@pytest.mark.slow
+def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
+    """train.outcontrol with start 1 and 2 steps: steps 0-2 are tetrajet_v2's bit for bit
+    (the record pass changes nothing), from step 3 on the split GEMMs give other losses, and
+    the final state holds the two recorded steps' norms."""
+    import jax
+
+    from experiments.train import _Checkpoints, _build
+
+    tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 5, 0, 0
+    tiny.model.pattern = "-"  # one MLP block: three GEMMs, four programs compile quickly
+    tiny.train.outcontrol.start, tiny.train.outcontrol.steps = 1, 2
+    tiny.precision.policy = "tetrajet_v2"
+    train(tiny, tmp_path / "base", data=text, progress=False)
+    tiny.precision.policy = "tetrajet_v2_outcontrol"
+    train(tiny, tmp_path / "split", data=text, progress=False)
+    base, split = losses(tmp_path / "base"), losses(tmp_path / "split")
+    assert base[:3] == split[:3]
+    assert all(a != b for a, b in zip(base[3:], split[3:]))
+    like = _build(tiny, text).state
+    state = _Checkpoints((tmp_path / "split").resolve()).restore(like)
+    leaves = [np.asarray(v) for v in jax.tree.leaves(state.channel_norms)]
+    assert len(leaves) == 3 and all((v > 0).all() and np.isfinite(v).all() for v in leaves)

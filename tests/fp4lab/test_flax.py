@@ -300,3 +300,51 @@ def test_nnx_stochastic_rounding_is_seeded_by_the_models_rngs():
     assert not np.array_equal(wgrad(rngs=nnx.Rngs(quant=5)), wgrad(rngs=nnx.Rngs(quant=6)))
     assert not np.array_equal(wgrad(seed=1), wgrad(seed=2))
     np.testing.assert_array_equal(wgrad(rngs=nnx.Rngs(7)), wgrad(rngs=nnx.Rngs(7)))  # default
+
+
+class LinenEinsumMLP(nn.Module):  # written without fp4lab: a Dense and an Einsum (K = 4 x 16)
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(64, name="up")(x).reshape(x.shape[:-1] + (4, 16))
+        return nn.Einsum((4, 16, 32), "bthk,hkn->btn", use_bias=False, name="down")(h)
+
+
+def test_linen_outcontrol_collections():
+    """OutControl through QuantizedLinen: a mutable "channel_norms" collection sums each
+    GEMM's per-channel input norms (K flattened, in order: the Einsum's 4 x 16), an
+    "outlier_channels" collection splits the GEMMs as qdot_general(channels=) does, and
+    neither leaves the recipe without the split, which is tetrajet_v2's."""
+    model = LinenEinsumMLP()
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32)) * jnp.linspace(0.1, 4, 32)
+    params = model.init(jax.random.key(1), x)
+    qm = quantize_model(model, "all:tetrajet_v2_outcontrol")
+    rngs = {"quant": jax.random.key(2)}
+    y, upd = qm.apply(params, x, rngs=rngs, mutable=["channel_norms"])
+    norms = upd["channel_norms"]
+    np.testing.assert_allclose(norms["up"]["gemm"],
+                               np.sqrt((np.asarray(x, np.float64) ** 2).sum(axis=(0, 1))),
+                               rtol=1e-5)
+    assert norms["down"]["gemm"].shape == (64,) and (norms["down"]["gemm"] > 0).all()
+    _, again = qm.apply({**params, **upd}, x, rngs=rngs, mutable=["channel_norms"])
+    np.testing.assert_allclose(again["channel_norms"]["up"]["gemm"], 2 * norms["up"]["gemm"],
+                               rtol=1e-6)
+    base = quantize_model(model, "all:tetrajet_v2").apply(params, x, rngs=rngs)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(base))
+    order = jax.tree.map(fp4lab.outcontrol.channel_order, norms)
+    split = qm.apply({**params, "outlier_channels": order}, x, rngs=rngs)
+    assert not np.array_equal(np.asarray(split), np.asarray(y))
+    # the Dense layer, by hand: its GEMM with the channels, plus its bias
+    p = params["params"]["up"]
+    want = fp4lab.qdot_general(x, p["kernel"], (((2,), (0,)), ((), ())),
+                               "tetrajet_v2_outcontrol", key=jax.random.key(5),
+                               channels=order["up"]["gemm"]) + p["bias"]
+    up_split = quantize_model(nn.Dense(64), "all:tetrajet_v2_outcontrol").apply(
+        {"params": p, "outlier_channels": {"gemm": order["up"]["gemm"]}}, x,
+        rngs={"quant": jax.random.key(5)})
+    # (its forward rounds to nearest: the layer's key, drawn from its rng stream, is not used)
+    np.testing.assert_array_equal(np.asarray(up_split), np.asarray(want))
+
+
+def test_nnx_refuses_outcontrol():
+    with pytest.raises(ValueError, match="OutControl.*NNX"):
+        QLinear(32, 16, recipe="tetrajet_v2_outcontrol", rngs=nnx.Rngs(0))

@@ -149,7 +149,9 @@ def run(x, w, g, recipe, key):
     return y, dx, dw
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+# (tetrajet_v2_outcontrol without channels is tetrajet_v2 bit for bit, and with them has its
+# own oracle: tests/fp4lab/test_outcontrol.py)
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPES[r].outliers is None])
 def test_forward_and_gradients_equal_the_oracle(recipe):
     x, w, g = data()
     key = jax.random.key(7)
