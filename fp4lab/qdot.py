@@ -282,8 +282,10 @@ def _to_input_domain(g, name, recipe: Recipe, mask, length, signs):
     return g
 
 
-def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, signs,
+def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, signs, k,
               channels=None):
+    """dX and dW; ``k`` the length of K (``x`` and ``w`` are zero-size stand-ins where the
+    backward reads only the forward's quantized tensors: :func:`_uses_input`)."""
     if recipe.backward == "ste":  # QAT: differentiate straight through the forward quantizers
         return _mm(dy, wq, _BMN_BKN), _mm(xq, dy, _BMK_BMN)
 
@@ -304,7 +306,7 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, 
             wq2 = rht(wq2, AXIS["fprop_w"], recipe.fprop_x.hadamard, signs["fprop_w"])
     dx = _mm(q("dgrad_dy", dy), wq2, _BMN_BKN)
     if w_dom:
-        dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], x.shape[-1], signs)
+        dx = _to_input_domain(dx, "fprop_x", recipe, masks and masks[0], k, signs)
     if channels is not None:
         return dx, _wgrad_split(xq, dy, q, recipe, channels, backend)
     x_src = xq if recipe.wgrad_x.source == "forward" else x
@@ -312,7 +314,7 @@ def _backward(x, w, dy, keys, recipe: Recipe, xq, wq, qw, masks, backend, amax, 
     if x_dom:
         if recipe.wgrad_x.source != "forward" and recipe.fprop_w.hadamard:
             dw = rht(dw, AXIS["fprop_w"], recipe.fprop_w.hadamard, signs["fprop_w"])
-        dw = _to_input_domain(dw, "fprop_w", recipe, masks and masks[1], w.shape[1], signs)
+        dw = _to_input_domain(dw, "fprop_w", recipe, masks and masks[1], k, signs)
     return dx, dw
 
 
@@ -347,7 +349,7 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if recipe.needs_key else None
     res = jax.eval_shape(lambda a, b, k: _qdot_fwd(plan, recipe, out_dtype, "xla", a, b, k,
                                                    None, None, None)[1], lhs, rhs, key)
-    size = lambda t: sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize  # noqa: E731
+    size = lambda t: sum(math.prod(a.shape) * a.dtype.itemsize  # noqa: E731 (keys: 8 B)
                          for a in jax.tree.leaves(t))
     x, w = size(res[0]), size(res[1])
     total = size(res)
@@ -372,6 +374,24 @@ def _fp4_part(t, recipe: Recipe, channels, axis):
     return _split(t, channels, recipe.outliers.count(t.shape[axis]), axis)[1]
 
 
+def _uses_input(recipe: Recipe, role: str) -> bool:
+    """Whether the backward pass reads X (``"x"``) or W as they came into the GEMM: not for
+    QAT (it differentiates through the forward's quantized operands) nor where the operand's
+    backward GEMM requantizes the forward's; then only its dtype is saved. (Delayed scaling
+    observes the inputs' amaxes in the backward pass: it keeps them.)"""
+    if recipe.delayed is not None:
+        return True
+    if recipe.backward == "ste":
+        return False
+    return (recipe.wgrad_x if role == "x" else recipe.dgrad_w).source != "forward"
+
+
+def _stand_in(t):
+    """A zero-size array of ``t``'s dtype: what is saved of an input the backward does not
+    read (the gradient takes its dtype)."""
+    return jnp.zeros((0,), t.dtype)
+
+
 def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history, channels):
     x, w = _to_canon(lhs, rhs, plan)
     keys = operand_keys(key)
@@ -382,9 +402,10 @@ def _qdot_fwd(plan, recipe, out_dtype, backend, lhs, rhs, key, probe, history, c
         recipe, {"x": _fp4_part(x, recipe, channels, 2), "w": _fp4_part(w, recipe, channels, 1)},
         keys, amax, signs, ("fprop",))
     keep = recipe.backward == "ste" or recipe.requantizes
-    res = (_saved.store(x, recipe.saved_x), w, key) + (
-        (xq, wq) if keep else (None, None)) + (qw, _trust_masks(x, w, recipe, signs), fwd_probes,
-                                               history, channels)
+    x_res = _saved.store(x, recipe.saved_x) if _uses_input(recipe, "x") else _stand_in(x)
+    w_res = w if _uses_input(recipe, "w") else _stand_in(w)
+    res = (x_res, w_res, key) + ((xq, wq) if keep else (None, None)) + (
+        qw, _trust_masks(x, w, recipe, signs), fwd_probes, history, channels)
     return y.reshape(plan.out_shape).astype(out_dtype), res
 
 
@@ -399,7 +420,7 @@ def _qdot_bwd(plan, recipe, out_dtype, backend, res, g):
     amax = _delayed_amaxes(recipe, history)
     signs = operand_signs(recipe, key)
     dx, dw = _backward(x, w, dy, keys, recipe, xq, wq, qw, masks, backend, amax, signs,
-                       channels)
+                       plan.bmkn[2], channels)
     tensors = {"x": x, "w": w, "dy": dy, "fwd_x": _fp4_part(xq, recipe, channels, 2),
                "fwd_w": wq}
     probes = None if fwd_probes is None else jnp.concatenate(

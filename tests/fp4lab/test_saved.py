@@ -92,6 +92,20 @@ def test_saved_bytes_reports_the_residuals():
     assert saved_bytes(jax.ShapeDtypeStruct(x.shape, x.dtype), w, DN, host)["host"] == fp8["x"]
 
 
+def test_inputs_the_backward_does_not_read_are_not_saved():
+    """QAT differentiates through the forward's quantized operands, and the requantizing
+    recipes quantize their backward W and X from them: neither keeps X or W as they came
+    (only their dtype); a recipe whose backward quantizes W and X from the inputs keeps
+    both. Their gradients are unchanged (test_qdot's oracle)."""
+    x, w, _ = _data()
+    for name in ("fp4_qat", "tetrajet_v2", "quartet"):
+        s = saved_bytes(x, w, DN, name)
+        assert s["x"] == 0 and s["w"] == 0, (name, s)  # a zero-size array of each dtype
+        assert s["other"] >= 64 * 256 * 2 + 256 * 32 * 4  # the forward's X and W
+    s = saved_bytes(x, w, DN, "nvfp4")
+    assert s["x"] == 64 * 256 * 2 and s["w"] == 256 * 32 * 2
+
+
 def test_bad_storage_is_named():
     with pytest.raises(ValueError, match="unknown format 'e9m9'"):
         SavedX("e9m9")
