@@ -97,7 +97,8 @@ def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
 
 def _record(run, cfg, name: str):
     """The quantized model's record of its forward pass under the policy ``name``."""
-    model = quantize_model(HybridLM(cfg), policies.get(name))
+    model = quantize_model(HybridLM(cfg), policies.without_outcontrol(
+        policies.get(name), "experiments.export"))
     inputs, _ = validation_tokens(run.config, run.data, 1)
     return model.assignments({"params": run.params}, inputs,
                              rngs={"quant": jax.random.key(0)})
@@ -147,8 +148,8 @@ def validation_logits(config, params, data, policy, *, dtype=None, batches: int 
     cfg = model_config(config, data)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=str(jnp.dtype(dtype)))
-    model = quantize_model(HybridLM(cfg), policies.get(policy) if isinstance(policy, str)
-                           else policy)
+    model = quantize_model(HybridLM(cfg), policies.without_outcontrol(
+        policies.get(policy) if isinstance(policy, str) else policy, "validation_logits"))
     inputs, targets = validation_tokens(config, data, batches)
     logits = jax.jit(lambda p, t: model.apply({"params": p}, t, rngs={
         "quant": jax.random.key(0)})[0])(params, inputs)

@@ -34,7 +34,7 @@ from fp4lab.policy import (Depth, PrecisionPolicy, Rule, get_policy, nemotron3,
                            policy_to_dict, register_policy, register_policy_family)
 from fp4lab.recipe import RECIPES
 
-__all__ = ["get_policy", "get", "NAMED", "BF16_ENDS", "fingerprint"]
+__all__ = ["get_policy", "get", "NAMED", "BF16_ENDS", "fingerprint", "without_outcontrol"]
 
 NAMED = {
     # Kimi K2: BF16 compute, the MLP inputs stored for the backward pass as E4M3 1x128
@@ -87,3 +87,16 @@ def fingerprint(policy: PrecisionPolicy) -> str:
     fingerprint assign every layer the same recipe."""
     said = {k: v for k, v in policy_to_dict(policy).items() if k != "name"}
     return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()
+
+
+def without_outcontrol(policy: PrecisionPolicy, what: str) -> PrecisionPolicy:
+    """``policy``, for ``what`` (an analysis that restores a run's parameters only), or an
+    error if one of its recipes has OutControl: that split is chosen from channel norms kept
+    in the training state, and without them the layers would run unsplit, silently."""
+    named = [r.name for r in (policy.default, *(rule.recipe for rule in policy.rules))
+             if r.outliers is not None]
+    if named:
+        raise ValueError(f"{what}: policy {policy.name!r} uses {', '.join(sorted(set(named)))}"
+                         ", whose OutControl split lives in the training state (the channel "
+                         "norms), not in the parameters this reads; it is not supported here")
+    return policy

@@ -55,7 +55,8 @@ def measure_run(workdir, *, batches: int = 2, storages=STORAGES) -> list[dict]:
 
     def model(fmt):
         return quantize_model(HybridLM(dataclasses.replace(cfg, residual_format=fmt)),
-                              policies.get(config.precision.policy))
+                              policies.without_outcontrol(policies.get(
+                                  config.precision.policy), "experiments.residual"))
 
     def loss(fmt):
         logits = jax.jit(lambda v, t: model(fmt).apply(v, t, rngs=rngs)[0])(variables, tokens)

@@ -64,15 +64,25 @@ class OutControlSchedule:
         return "record" if step < self.start + self.steps else "split"
 
 
-def channel_norms_zeros(qmodel, params, sample) -> dict | None:
+def channel_norms_zeros(qmodel, params, sample, history=None) -> dict | None:
     """The ``"channel_norms"`` collection's first value: zeros of every OutControl GEMM's K
-    (found by tracing the model once, abstractly), or None if no GEMM has OutControl."""
-    shapes = jax.eval_shape(lambda p: qmodel.apply(
-        {"params": p}, sample, rngs={"quant": jax.random.key(0)},
-        mutable=["channel_norms"])[1], params).get("channel_norms")
-    if not shapes:
+    (its shape from one abstract trace of the model; ``history``: the amax histories of
+    delayed-scaling layers, which the trace needs), or None if no GEMM has OutControl. Each
+    K is checked against its recipe's channel count here, before any step runs."""
+    rngs = {"quant": jax.random.key(0)}
+    record = qmodel.assignments({"params": params}, sample, rngs=rngs)
+    recipes = {a.path: a.recipe for a in record if a.recipe is not None and a.recipe.outliers}
+    if not recipes:
         return None
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), flax.core.unfreeze(shapes))
+    variables = {"params": params} | ({} if history is None else {"amax_history": history})
+    shapes = jax.eval_shape(lambda v: qmodel.apply(v, sample, rngs=rngs,
+                                                   mutable=["channel_norms"])[1], variables)
+    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes["channel_norms"]),
+                                           sep="/")
+    for path, s in flat.items():
+        recipes[path.rsplit("/", 1)[0]].outliers.count(s.shape[0])  # an error naming K
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                        flax.core.unfreeze(shapes["channel_norms"]))
 
 
 class _Split:
@@ -87,11 +97,14 @@ class _Split:
                                  **kwargs)
 
 
-def _recorded(qmodel, params, norms, tokens, key):
+def _recorded(qmodel, params, history, norms, tokens, key):
     """``norms`` plus this step's input-channel norms of every OutControl GEMM (a forward
-    pass of the step's own inputs and key: the activations the step trains on)."""
-    _, updates = qmodel.apply({"params": params, "channel_norms": norms}, tokens[:, :-1],
-                              rngs={"quant": key}, mutable=["channel_norms"])
+    pass of the step's own inputs, key and amax histories: the activations it trains on)."""
+    variables = {"params": params, "channel_norms": norms}
+    if history is not None:
+        variables["amax_history"] = history
+    _, updates = qmodel.apply(variables, tokens[:, :-1], rngs={"quant": key},
+                              mutable=["channel_norms"])
     return flax.core.unfreeze(updates)["channel_norms"]
 
 def model_config(config, data=None) -> ModelConfig:
@@ -289,7 +302,8 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
             delayed.update(state.amax_history, seen), state.amax_history)
         norms = state.channel_norms
         if phase == "record":
-            norms = keep(_recorded(qmodel, state.params, norms, tokens, key), norms)
+            norms = keep(_recorded(qmodel, state.params, state.amax_history, norms, tokens,
+                                   key), norms)
         new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
                          params=keep(params, state.params),
                          opt_state=keep(opt_state, state.opt_state),

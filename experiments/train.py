@@ -319,6 +319,30 @@ def _osci(config, qmodel, params, sample) -> tuple | None:
     return cfg, paths
 
 
+def _switch_step(t) -> int:
+    """The first step of the late precision switch (``train.bf16_last_fraction``): the
+    quantized model trains the steps before it."""
+    return t.steps - int(round(t.steps * t.bf16_last_fraction))
+
+
+def _check_outcontrol(config):
+    """A policy with OutControl layers: refused with per-replica gradients (its channel norms
+    are the global batch's) and where its split would never train (the record window ends
+    at or after the last quantized step)."""
+    t, o = config.train, config.train.outcontrol
+    if _grad_reduce(config) is not None:
+        raise ValueError(f"policy {config.precision.policy!r} has OutControl layers, whose "
+                         "channel norms are measured on the global batch: train.grad_reduce="
+                         f"{t.grad_reduce!r} (per-replica gradients) is not supported with them")
+    quantized = _switch_step(t)
+    if o.start + o.steps >= quantized:
+        raise ValueError(f"train.outcontrol: the channels are chosen after step "
+                         f"{o.start + o.steps - 1} (start={o.start}, steps={o.steps}), but "
+                         f"the quantized model trains only steps 0-{quantized - 1} "
+                         f"(train.steps={t.steps}, bf16_last_fraction={t.bf16_last_fraction}): "
+                         f"policy {config.precision.policy!r} would never split")
+
+
 def _build(config, data: TextData | None) -> _Setup:
     t, d = config.train, config.data
     check_config(config)
@@ -335,11 +359,9 @@ def _build(config, data: TextData | None) -> _Setup:
     qmodel = quantize_model(model, policy, backend=config.precision.backend)
     history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
     osci = _osci(config, qmodel, params, sample)
-    norms = channel_norms_zeros(qmodel, params, sample)  # OutControl's layers, if any
-    if norms is not None and _grad_reduce(config) is not None:
-        raise ValueError(f"policy {config.precision.policy!r} has OutControl layers, whose "
-                         "channel norms are measured on the global batch: train.grad_reduce "
-                         f"={t.grad_reduce!r} (per-replica gradients) is not supported with them")
+    norms = channel_norms_zeros(qmodel, params, sample, history)  # OutControl's, if any
+    if norms is not None:
+        _check_outcontrol(config)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1), amax_history=history,
                        osci=None if osci is None else osci_reset.init(
@@ -565,7 +587,7 @@ class _Loop:
     def __post_init__(self):
         self.programs = _Programs(self.config, self.setup, self.log)
         t = self.config.train
-        self.switch = t.steps - int(round(t.steps * t.bf16_last_fraction))
+        self.switch = _switch_step(t)
 
     def model_at(self, step: int):
         return self.setup.qmodel if step < self.switch else self.setup.bf16_model

@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["channel_norms", "channel_order", "check_channels"]
@@ -54,12 +55,19 @@ def channel_order(norms) -> jax.Array:
 
 
 def check_channels(channels, k: int) -> jax.Array:
-    """``channels`` as int32 of shape ``(k,)``, or an error naming its shape or dtype (its
-    values, traced under jit, must be a permutation: :func:`channel_order` gives one)."""
+    """``channels`` as int32 of shape ``(k,)``, or an error naming its shape, dtype or (when
+    concrete) the values that make it no permutation of ``range(k)`` (traced under jit they
+    cannot be checked: :func:`channel_order` gives a permutation)."""
     if not jnp.issubdtype(jnp.result_type(channels), jnp.integer):
         raise TypeError(f"channels has dtype {jnp.result_type(channels)}; it is K channel "
                         "indices (fp4lab.outcontrol.channel_order)")
     if jnp.shape(channels) != (k,):
         raise ValueError(f"channels has shape {jnp.shape(channels)}; the GEMM's reduction "
                          f"axis has K={k} channels")
+    if not isinstance(channels, jax.core.Tracer):
+        c = np.asarray(channels)
+        missing = np.setdiff1d(np.arange(k), c)
+        if missing.size:
+            raise ValueError(f"channels is not a permutation of range({k}): it lacks "
+                             f"{missing[:5].tolist()} (values {c[:8].tolist()}...)")
     return lax.convert_element_type(channels, jnp.int32)

@@ -124,9 +124,11 @@ class OutControl:
     forward W (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe
     without the split (the authors' layer before its channels are chosen).
 
-    ``count(K) = min(K // align * align, ceil(int(fraction * K) / align) * align)``: the
-    authors' kernels use ``align=128`` (whole 128-blocks; ``linear_mix.py``), the paper's
-    simulated results about ``fraction * K`` channels (``align=1``)."""
+    ``count(K)``: with ``align=1`` (default), ``round(fraction * K)``, what the paper's
+    simulated results keep (``linear_mix.py``'s comment); otherwise the authors' kernel
+    rule with ``align`` for their 128, ``min(K // align * align, ceil(int(fraction * K) /
+    align) * align)`` (``align=128``: whole 128-blocks). A small model keeps about 10 % with
+    the first, up to half of K with the second."""
 
     fraction: float = 0.1
     align: int = 1
@@ -141,8 +143,11 @@ class OutControl:
 
     def count(self, k: int) -> int:
         """How many of ``k`` input channels go to ``format`` (0 < count < k, else an error)."""
-        n = min(k // self.align * self.align,
-                -(-int(self.fraction * k) // self.align) * self.align)
+        if self.align == 1:
+            n = round(self.fraction * k)
+        else:
+            n = min(k // self.align * self.align,
+                    -(-int(self.fraction * k) // self.align) * self.align)
         if not 0 < n < k:
             raise ValueError(f"OutControl(fraction={self.fraction}, align={self.align}) keeps "
                              f"{n} of K={k} input channels in {self.format.name}; it needs "

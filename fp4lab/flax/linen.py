@@ -231,7 +231,7 @@ class _OpNamer(CallCounter):
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call with its module's key, probe, amax history and OutControl."""
     channels = None if recipe.outliers is None else _linen_channels(
-        module, recipe, *operand_x(kind, args, kwargs), name)
+        module, recipe, *operand_x(op_path, kind, args, kwargs), name)
     return quantized_call(op_path, kind, recipe, args, kwargs,
                           key=_linen_key(module, recipe), probe=_linen_probe(module, name),
                           amax_history=_linen_history(module, recipe, name), channels=channels,

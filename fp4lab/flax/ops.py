@@ -131,13 +131,29 @@ def runs_as_written(recipe: Recipe, kind: str, args) -> bool:
     return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes for a in operands)
 
 
-def operand_x(kind: str, args, kwargs) -> tuple:
+def _einsum_operands(op_path: str, args) -> tuple:
+    """``(spec, a, b)`` of an intercepted ``jnp.einsum``, or an error naming the op."""
+    spec, *operands = args
+    if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:
+        raise ValueError(f"op {op_path}: a policy rule quantizes it, but "
+                         f"jnp.einsum({spec!r}, ...) with {len(operands)} operands is not a "
+                         "two-operand einsum with an explicit '->' output")
+    return spec, *operands
+
+
+def _dot_operands(args, kwargs) -> tuple:
+    dims = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
+    return args[0], args[1], dims
+
+
+def operand_x(op_path: str, kind: str, args, kwargs) -> tuple:
     """``(X, dimension_numbers)`` of an intercepted two-operand call, as ``qdot_general``
     sees them (what OutControl measures)."""
     if kind == "jnp.einsum":
-        spec, a, b = args[:3]
-        return a, plan_einsum(spec.replace(" ", ""), jnp.shape(a), jnp.shape(b)).dimension_numbers
-    return args[0], args[2] if len(args) > 2 else kwargs["dimension_numbers"]
+        spec, a, b = _einsum_operands(op_path, args)
+        return a, plan_einsum(spec, jnp.shape(a), jnp.shape(b)).dimension_numbers
+    lhs, _, dims = _dot_operands(args, kwargs)
+    return lhs, dims
 
 
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key=None,
@@ -148,12 +164,5 @@ def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key
     common = dict(key=key, probe=probe, amax_history=amax_history, channels=channels,
                   backend=backend, **kw)
     if kind == "jnp.einsum":
-        spec, *operands = args
-        if len(operands) != 2 or not isinstance(spec, str) or "->" not in spec:
-            raise ValueError(f"op {op_path}: a policy rule quantizes it, but "
-                             f"jnp.einsum({spec!r}, ...) with {len(operands)} operands is not a "
-                             "two-operand einsum with an explicit '->' output")
-        return qeinsum(spec, *operands, recipe, **common)
-    lhs, rhs = args[:2]
-    dims = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
-    return qdot_general(lhs, rhs, dims, recipe, **common)
+        return qeinsum(*_einsum_operands(op_path, args), recipe, **common)
+    return qdot_general(*_dot_operands(args, kwargs), recipe, **common)

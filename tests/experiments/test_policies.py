@@ -71,3 +71,15 @@ def test_a_string_is_one_policy_in_quantize_model_export_and_experiments(name, m
                         recorded.update(metadata))
     export.export(Net(nnx.Rngs(0)), name, tmp_path / "net.gguf", "gguf")
     assert recorded["policy"] == policy_to_dict(want)
+
+
+def test_analyses_refuse_outcontrol_policies():
+    """Analyses that restore a run's parameters only (residual storage, export, validation
+    logits) refuse a policy with OutControl: its split lives in the training state."""
+    from experiments.policies import get, without_outcontrol
+
+    mixed = get("all:tetrajet_v2")
+    assert without_outcontrol(mixed, "x") is mixed
+    with pytest.raises(ValueError, match="experiments.export: policy .* uses "
+                                         "tetrajet_v2_outcontrol"):
+        without_outcontrol(get("all:tetrajet_v2_outcontrol"), "experiments.export")

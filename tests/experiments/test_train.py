@@ -464,8 +464,8 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(capture):
-        once = _recorded(setup.qmodel, setup.state.params, norms0, tokens, key)
-    twice = _recorded(setup.qmodel, setup.state.params, once, tokens, key)
+        once = _recorded(setup.qmodel, setup.state.params, None, norms0, tokens, key)
+    twice = _recorded(setup.qmodel, setup.state.params, None, once, tokens, key)
     flat = {"/".join(k[:-1]): v for k, v in flax_flat(once).items()}
     assert set(flat) == set(seen) and len(flat) == 7  # every GEMM of the tiny model
     for path, x in seen.items():
@@ -474,6 +474,26 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
         np.testing.assert_allclose(flat[path], want, rtol=1e-5, err_msg=path)
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice)):
         np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
+    # validation after the record window splits as the next step would
+    from experiments.step import make_eval
+
+    batch = setup.data.val_batches(1, tiny.data.batch_size, tiny.data.seq_len)[0]
+    plain, split = (float(make_eval(setup.qmodel, 0, s)(setup.state.params, None, once,
+                                                         batch.tokens, batch.weights))
+                    for s in (False, True))
+    assert plain != split
+
+
+def test_outcontrol_that_would_never_split_is_refused(tiny, text):
+    from experiments.train import _build
+
+    tiny.precision.policy = "tetrajet_v2_outcontrol"
+    tiny.train.steps, tiny.train.bf16_last_fraction = 20, 0.25  # quantized: steps 0-14
+    tiny.train.outcontrol.start, tiny.train.outcontrol.steps = 10, 5
+    with pytest.raises(ValueError, match="chosen after step 14.*would never split"):
+        _build(tiny, text)
+    tiny.train.outcontrol.steps = 4
+    assert _build(tiny, text).outcontrol.phase(14) == "split"
 
 
 def flax_flat(tree):
@@ -505,3 +525,25 @@ def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
     state = _Checkpoints((tmp_path / "split").resolve()).restore(like)
     leaves = [np.asarray(v) for v in jax.tree.leaves(state.channel_norms)]
     assert len(leaves) == 3 and all((v > 0).all() and np.isfinite(v).all() for v in leaves)
+
+
+def test_outcontrol_beside_delayed_scaling(tiny, text, tmp_path):
+    """A policy with OutControl layers and FP8 delayed-scaling layers: the model traced for
+    the channel norms and the record pass both get the amax histories."""
+    import jax
+
+    from experiments.step import _recorded
+    from experiments.train import _build
+    from fp4lab.policy import PrecisionPolicy, Rule, save_policy
+
+    policy = tmp_path / "policy.json"
+    save_policy(PrecisionPolicy(rules=(Rule(recipe="fp8_delayed", pattern=r".*mlp.*"),),
+                                default="tetrajet_v2_outcontrol"), policy)
+    tiny.precision.policy = f"file:{policy}"
+    setup = _build(tiny, text)
+    assert setup.state.amax_history and "mlp" not in str(jax.tree.structure(
+        setup.state.channel_norms))
+    tokens = setup.data.batch(0, 0, tiny.data.batch_size, tiny.data.seq_len).tokens
+    norms = _recorded(setup.qmodel, setup.state.params, setup.state.amax_history,
+                      setup.state.channel_norms, tokens, jax.random.key(0))
+    assert all((np.asarray(v) > 0).all() for v in jax.tree.leaves(norms))

@@ -254,8 +254,9 @@ def test_channel_norms_and_order_match_numpy():
 
 @pytest.mark.parametrize("k,fraction,align,n", [
     (1280, 0.1, 128, 128),  # the authors' 370M hidden size: int(128.0) -> one 128-block
-    (384, 0.1, 128, 128), (2048, 0.1, 128, 256), (200, 0.1, 1, 20), (64, 0.1, 1, 6),
-    (256, 0.1, 32, 32), (1000, 0.02, 16, 32)])
+    (384, 0.1, 128, 128), (2048, 0.1, 128, 256), (256, 0.1, 32, 32), (1000, 0.02, 16, 32),
+    # the paper's simulated results: round(fraction K)
+    (200, 0.1, 1, 20), (64, 0.1, 1, 6), (256, 0.1, 1, 26), (128, 0.1, 1, 13)])
 def test_count(k, fraction, align, n):
     assert OutControl(fraction=fraction, align=align).count(k) == n
 
@@ -266,6 +267,11 @@ def test_errors_name_the_value():
     with pytest.raises(ValueError, match="fraction=1.5"):
         OutControl(fraction=1.5)
     x, w = jnp.ones((4, 64)), jnp.ones((64, 8))
+    with pytest.raises(ValueError, match=r"lacks \[1\]"):
+        qdot_general(x, w, DN, dataclasses.replace(RTN, outliers=OutControl()),
+                     channels=jnp.arange(64).at[1].set(0))
+    with pytest.raises(ValueError, match="K=4"):
+        OutControl().count(4)  # round(0.4) = 0 outlier channels
     with pytest.raises(ValueError, match="no OutControl"):
         qdot_general(x, w, DN, "nvfp4_no_sr", channels=jnp.arange(64))
     with pytest.raises(ValueError, match=r"shape \(32,\)"):
