@@ -77,12 +77,10 @@ def channel_norms_zeros(qmodel, params, sample, history=None) -> dict | None:
     variables = {"params": params} | ({} if history is None else {"amax_history": history})
     shapes = jax.eval_shape(lambda v: qmodel.apply(v, sample, rngs=rngs,
                                                    mutable=["channel_norms"])[1], variables)
-    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes["channel_norms"]),
-                                           sep="/")
-    for path, s in flat.items():
+    shapes = flax.core.unfreeze(shapes["channel_norms"])
+    for path, s in flax.traverse_util.flatten_dict(shapes, sep="/").items():
         recipes[path.rsplit("/", 1)[0]].outliers.count(s.shape[0])  # an error naming K
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                        flax.core.unfreeze(shapes["channel_norms"]))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class _Split:

@@ -170,10 +170,11 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
     _note("/".join(module.scope.path), kernel)
-    dims = plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers
+    channels = None if recipe.outliers is None else _linen_channels(
+        module, recipe, inputs, plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers)
     y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
                 probe=_linen_probe(module), amax_history=_linen_history(module, recipe),
-                channels=_linen_channels(module, recipe, inputs, dims), backend=backend,
+                channels=channels, backend=backend,
                 preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
