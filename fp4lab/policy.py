@@ -30,6 +30,7 @@ names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -236,11 +237,18 @@ class PrecisionPolicy:
                                   for i, r in enumerate(chosen))
             raise ValueError(f"policy {self.name}: {path} is {len(rows)} blocks stacked for a "
                              f"scan, which run one recipe, but the rules give them different "
-                             f"ones ({per_block}); unstack the blocks (MaxText: "
-                             "scan_layers=False) or drop the depth rule")
+                             f"ones ({per_block}); unstack the blocks (a Python loop over "
+                             "them instead of nn.scan / nnx.scan; MaxText: scan_layers=False) "
+                             "or drop the depth rule (nemotron3(bf16_tail=0))")
         if chosen[0] is None:
             return None
         return dataclasses.replace(rows[0], block=None, stack=tuple(stack))
+
+    @property
+    def uses_blocks(self) -> bool:
+        """True when a rule selects by depth or by being outside the blocks: assigning needs
+        the model's number of blocks."""
+        return any(r.depth is not None or r.outside_blocks for r in self.rules)
 
     @property
     def governs_ops(self) -> bool:
@@ -336,7 +344,7 @@ def check_unused(policy: PrecisionPolicy, assignments, *, strict: bool = False,
         names = ", ".join(repr(r.label()) for r in missing)
         problems.append(f"rules matched no layer: {names}")
         if any(r.depth or r.outside_blocks for r in missing) and not any(
-                a.block is not None for a in assignments):
+                a.block is not None or a.stack for a in assignments):
             problems.append("no layer path has a block index (e.g. blocks_3/..., Block_3/..., "
                             "layers/3/...): pass block='<the block module name>' to "
                             "quantize_model or explain")
@@ -429,7 +437,9 @@ def nemotron3(default: str | Recipe = "nvfp4", *, mamba_out: str | Recipe | None
     if mamba_out is not None:
         rules.append(Rule(name="mamba out_proj", recipe=mamba_out, required=False,
                           pattern=r"(?i).*(?:mamba|ssm|mixer)\w*/out_proj\w*"))
-    return PrecisionPolicy(rules=tuple(rules), default=default, name="nemotron3")
+    return PrecisionPolicy(rules=tuple(rules), default=default, name=_variant(
+        "nemotron3", default=(default, "nvfp4"), mamba_out=(mamba_out, "mxfp8"),
+        bf16_tail=(bf16_tail, 0.15)))
 
 
 def nvfp4_paper(default: str | Recipe = "nvfp4") -> PrecisionPolicy:
@@ -439,7 +449,19 @@ def nvfp4_paper(default: str | Recipe = "nvfp4") -> PrecisionPolicy:
         rules=(Rule(name="first 2/62 and last 8/62 of blocks", recipe="bf16",
                     depth=Depth(first=1, last=1, first_fraction=2 / 62,
                                 last_fraction=8 / 62)),),
-        default=default, name="nvfp4_paper")
+        default=default, name=_variant("nvfp4_paper", default=(default, "nvfp4")))
+
+
+def _variant(preset: str, **args) -> str:
+    """A preset's name with the arguments that differ from its defaults (``args``: name ->
+    (value, default)): ``nemotron3(bf16_tail=0, mamba_out=None)``, so that a log says which
+    variant ran."""
+    def show(v):
+        return repr(v.name) if isinstance(v, Recipe) else repr(v)
+
+    changed = [f"{k}={show(v)}" for k, (v, default) in args.items()
+               if (v.name if isinstance(v, Recipe) else v) != default]
+    return f"{preset}({', '.join(changed)})" if changed else preset
 
 
 # ----------------------------------------------------------------------------- the policy names
@@ -570,18 +592,23 @@ register_policy("nvfp4_paper", nvfp4_paper)
 
 def load_policy(path) -> PrecisionPolicy:
     """The policy in a JSON file written by :func:`save_policy` (or
-    ``experiments.auto_assign``)."""
+    ``experiments.auto_assign``); every key is checked (:func:`policy_from_dict`), and an
+    error names the file."""
     import json
     from pathlib import Path
 
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"policy file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"policy file {str(path)!r} " + (
+            "is a folder, not a file" if path.is_dir() else "does not exist"))
     try:
         d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"policy file {str(path)!r} is not JSON: {e}") from None
-    return policy_from_dict(d)
+    try:
+        return policy_from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"policy file {str(path)!r}: {e}") from None
 
 
 def save_policy(policy: PrecisionPolicy, path) -> None:
@@ -618,13 +645,73 @@ def policy_to_dict(policy: PrecisionPolicy) -> dict:
                       for r in policy.rules]}
 
 
+# the keys of a policy file, of each rule and of a rule's depth: name -> (accepted types,
+# required). Anything else is an error naming the key: a misspelt "pattern" would otherwise
+# leave a rule that matches every layer, a misspelt "default" a BF16 default.
+_POLICY_KEYS = {"rules": (list, False), "default": (str, True), "block_pattern": (str, False),
+                "name": (str, False)}
+_RULE_KEYS = {"recipe": (str, True), "pattern": (str, False), "kind": ((str, type(None)), False),
+              "name": (str, False), "outside_blocks": (bool, False), "required": (bool, False),
+              "depth": ((dict, type(None)), False)}
+_DEPTH_KEYS = {f.name: ((int, float) if "fraction" in f.name else int, False)
+               for f in dataclasses.fields(Depth)}
+
+
+def _checked(d, keys: dict, where: str) -> dict:
+    """``d`` (a JSON object) after checking its keys and the types of their values against
+    ``keys``; the error names ``where``, the key and the known keys."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{where} must be a JSON object, not {type(d).__name__} ({d!r:.60})")
+    unknown = [k for k in d if k not in keys]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(keys)}")
+    missing = [k for k, (_, required) in keys.items() if required and k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing key {missing[0]!r}")
+    for k, v in d.items():
+        types = keys[k][0]
+        # bool is an int in Python: a depth of `true` blocks must not pass as 1
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in (
+                types if isinstance(types, tuple) else (types,))):
+            raise TypeError(f"{where}: {k}={v!r} must be {_type_names(types)}")
+    return d
+
+
+def _type_names(types) -> str:
+    names = {"str": "a string", "list": "a list", "bool": "true or false", "int": "an integer",
+             "float": "a number", "dict": "an object", "NoneType": "null"}
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(names[t.__name__] for t in types)
+
+
 def policy_from_dict(d: dict) -> PrecisionPolicy:
-    """The inverse of :func:`policy_to_dict`."""
-    rules = tuple(Rule(recipe=r["recipe"], pattern=r.get("pattern", ".*"), kind=r.get("kind"),
-                       name=r.get("name", ""), outside_blocks=r.get("outside_blocks", False),
-                       required=r.get("required", True),
-                       depth=Depth(**r["depth"]) if r.get("depth") else None)
-                  for r in d.get("rules", ()))
-    return PrecisionPolicy(rules=rules, default=d.get("default", "bf16"),
-                           block_pattern=d.get("block_pattern", DEFAULT_BLOCK_PATTERN),
-                           name=d.get("name", "custom"))
+    """The inverse of :func:`policy_to_dict`. Every key is checked, at every level: an
+    unknown or misspelt key, a missing ``default`` or ``recipe``, or a value of the wrong type
+    is an error naming it (never a silently different policy)."""
+    _checked(d, _POLICY_KEYS, "policy")
+    rules = []
+    for i, r in enumerate(d.get("rules", ())):
+        where = f"policy rule {i}"
+        r = _checked(r, _RULE_KEYS, where)
+        depth = r.get("depth")
+        with _located(where):
+            if depth is not None:
+                depth = Depth(**_checked(depth, _DEPTH_KEYS, f"{where} depth"))
+            rules.append(Rule(**{**r, "depth": depth}))
+    with _located("policy: default"):
+        default = get_recipe(d["default"])
+    with _located("policy"):
+        return PrecisionPolicy(rules=tuple(rules), default=default,
+                               block_pattern=d.get("block_pattern", DEFAULT_BLOCK_PATTERN),
+                               name=d.get("name", "custom"))
+
+
+@contextlib.contextmanager
+def _located(where: str):
+    """Prefix ``where`` to a ValueError raised inside (once: inner errors already say it)."""
+    try:
+        yield
+    except ValueError as e:
+        if str(e).startswith(where):
+            raise
+        raise ValueError(f"{where}: {e}") from None

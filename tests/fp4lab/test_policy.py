@@ -48,6 +48,21 @@ def test_nemotron3_ablations():
     assert t["blocks_11/mlp/up"] == "nvfp4"
 
 
+def test_a_preset_variant_says_which_variant_it_is(registry):
+    """A log (explain's header, config.json) must tell the ablations from the preset."""
+    assert nemotron3().name == nemotron3(get_recipe("nvfp4")).name == "nemotron3"
+    assert nemotron3(bf16_tail=0).name == "nemotron3(bf16_tail=0)"
+    assert nemotron3(mamba_out=None).name == "nemotron3(mamba_out=None)"
+    assert nemotron3("mxfp4", bf16_tail=0.2).name == "nemotron3(default='mxfp4', bf16_tail=0.2)"
+    assert nvfp4_paper("mxfp4").name == "nvfp4_paper(default='mxfp4')"
+    assert str(explain(nemotron3(bf16_tail=0), ["blocks_0/mlp/up"])).startswith(
+        "policy nemotron3(bf16_tail=0): ")
+    from fp4lab.policy import register_policy
+
+    register_policy("my_tail", lambda: nemotron3(bf16_tail=0))
+    assert get_policy("my_tail").name == "my_tail"  # a registered name names it
+
+
 @pytest.mark.parametrize("n,bf16_blocks",
                          [(12, {0, 10, 11}), (7, {0, 6}), (62, {0, 1, *range(54, 62)})])
 def test_nvfp4_paper_scales_with_depth(n, bf16_blocks):
@@ -237,3 +252,63 @@ def test_quantize_model_takes_a_recipe_name(api):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     assert not np.array_equal(np.asarray(out), np.asarray(plain))  # it did quantize
     assert jnp.all(jnp.isfinite(out))
+
+
+# a policy file's keys at every level: the issue's inputs (a misspelt key silently trained the
+# whole model in BF16), then more of the same class
+BAD_POLICY_FILES = [
+    ({"rules": [{"recipe": "bf16", "patern": "head"}], "default": "nvfp4"},
+     r"policy rule 0: unknown key 'patern'; known: recipe, pattern, kind"),
+    ({"rules": [], "defualt": "nvfp4"}, r"policy: unknown key 'defualt'; known: rules, default"),
+    ({"rulez": [{"recipe": "bf16", "pattern": "head"}], "default": "nvfp4"},
+     r"policy: unknown key 'rulez'"),
+    ({}, r"policy: missing key 'default'"),
+    ([{"recipe": "bf16"}], r"policy must be a JSON object, not list"),
+    ({"default": "nvfp4", "rules": [{"pattern": "head"}]}, r"policy rule 0: missing key 'recipe'"),
+    ({"default": "nvfp4", "rules": [{"recipe": "bf16", "depth": {"lst": 2}}]},
+     r"policy rule 0 depth: unknown key 'lst'; known: first, last, first_fraction"),
+    ({"default": "nvfp4", "rules": [{"recipe": "bf16", "depth": {"last": True}}]},
+     r"policy rule 0 depth: last=True must be an integer"),
+    ({"default": "nvfp4", "rules": [{"recipe": "bf16", "required": "no"}]},
+     r"policy rule 0: required='no' must be true or false"),
+    ({"default": "nvfp4", "rules": {"recipe": "bf16"}}, r"policy: rules=.* must be a list"),
+    ({"default": "nvfp4", "rules": ["bf16"]}, r"policy rule 0 must be a JSON object, not str"),
+    ({"default": "nvfp44"}, r"policy: default: unknown recipe 'nvfp44'; known recipes: bf16"),
+    ({"default": "nvfp4", "rules": [{"recipe": "bf16", "pattern": "("}]},
+     r"policy rule 0: rule pattern '\(' is not a valid regex"),
+]
+
+
+@pytest.mark.parametrize("content,error", BAD_POLICY_FILES)
+def test_a_policy_file_with_an_unknown_key_or_a_wrong_value_is_an_error(tmp_path, content,
+                                                                         error):
+    import json
+
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=r"policy file '.*policy.json': " + error) as e:
+        get_policy(f"file:{path}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_saved_policy_loads_back_equal(tmp_path):
+    from fp4lab.policy import load_policy, save_policy
+
+    for policy in (nemotron3(), nvfp4_paper(), all_layers("mxfp8"), PrecisionPolicy(
+            rules=(Rule(recipe="bf16", pattern="head", kind="Dense", required=False,
+                        depth=Depth(first=1, last_fraction=0.25)),), default="nvfp4")):
+        save_policy(policy, tmp_path / "p.json")
+        assert load_policy(tmp_path / "p.json") == policy
+
+
+def test_a_policy_path_that_is_no_json_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"policy file '.*' is a folder, not a file"):
+        get_policy(f"file:{tmp_path}")
+    with pytest.raises(FileNotFoundError, match=r"policy file '.*nope.json' does not exist"):
+        get_policy(f"file:{tmp_path / 'nope.json'}")
+    (tmp_path / "cut.json").write_text('{"default": "nvf')
+    with pytest.raises(ValueError, match=r"policy file '.*cut.json' is not JSON"):
+        get_policy(f"file:{tmp_path / 'cut.json'}")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"policy file '.*bin.json' is not JSON"):
+        get_policy(f"file:{tmp_path / 'bin.json'}")
