@@ -41,6 +41,18 @@ def _expand_ellipses(spec: str, ndim_a: int, ndim_b: int) -> tuple[str, str, str
 def plan_einsum(spec: str, shape_a: tuple[int, ...], shape_b: tuple[int, ...]) -> EinsumPlan:
     """The ``dot_general`` of ``einsum(spec, a, b)`` and the output transpose after it."""
     sa, sb, out = _expand_ellipses(spec, len(shape_a), len(shape_b))
+    for term, name in ((sa, "first operand"), (sb, "second operand"), (out, "output")):
+        if not term.isalpha() and term:
+            raise ValueError(f"qeinsum spec {spec!r}: the {name} {term!r} has characters "
+                             "other than letters (and one '...')")
+        repeated = sorted({c for c in term if term.count(c) > 1})
+        if repeated:
+            why = "" if name == "output" else " (a diagonal or trace, which a GEMM is not)"
+            raise ValueError(f"qeinsum spec {spec!r}: {repeated} repeat in the {name}{why}")
+    unknown = [c for c in out if c not in sa and c not in sb]
+    if unknown:
+        raise ValueError(f"qeinsum spec {spec!r}: output letters {unknown} are in neither "
+                         "operand")
     if len(sa) != len(shape_a) or len(sb) != len(shape_b):
         raise ValueError(f"qeinsum spec {spec!r} does not match shapes {tuple(shape_a)} and "
                          f"{tuple(shape_b)}")

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp4lab import backend as _backend
@@ -132,13 +133,34 @@ class _Plan(NamedTuple):
     out_shape: tuple[int, ...]
 
 
-def _plan(lhs_shape, rhs_shape, dimension_numbers) -> _Plan:
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (tuple(int(a) % n for a in ax) for ax, n in
-                      ((lc, len(lhs_shape)), (rc, len(rhs_shape)), (lb, len(lhs_shape)),
-                       (rb, len(rhs_shape))))
+def _check_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers) -> tuple:
+    """``(lc, rc, lb, rb)`` as tuples of ints, checked as ``lax.dot_general`` checks them:
+    axes in ``[0, ndim)`` (no negative axes), each operand's contracting and batch axes
+    distinct, and the same number on both sides. An error names the value."""
+    dn = f"dimension_numbers={dimension_numbers!r}"
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(ax) for ax in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise ValueError(f"{dn} is not ((lhs_contracting, rhs_contracting), (lhs_batch, "
+                         "rhs_batch)), each a tuple of axes") from None
+    for side, shape, axes in (("lhs", lhs_shape, lc + lb), ("rhs", rhs_shape, rc + rb)):
+        for a in axes:
+            if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not (
+                    0 <= a < len(shape)):
+                raise ValueError(f"{dn}: {side} axis {a!r} is not an axis of the {side} of "
+                                 f"shape {tuple(shape)} (axes are 0..{len(shape) - 1}; "
+                                 "negative axes are refused, as lax.dot_general refuses them)")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{dn}: the {side}'s contracting and batch axes {axes} repeat an "
+                             "axis")
     if len(lc) != len(rc) or len(lb) != len(rb):
-        raise ValueError(f"dimension_numbers={dimension_numbers} pair up unequal axis counts")
+        raise ValueError(f"{dn} pair up unequal axis counts")
+    return tuple(tuple(int(a) for a in ax) for ax in (lc, rc, lb, rb))
+
+
+def _plan(lhs_shape, rhs_shape, dimension_numbers) -> _Plan:
+    lc, rc, lb, rb = _check_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers)
     for a, b in zip(lc + lb, rc + rb):
         if lhs_shape[a] != rhs_shape[b]:
             raise ValueError(f"lhs axis {a} (size {lhs_shape[a]}) and rhs axis {b} (size "

@@ -290,6 +290,72 @@ def test_bad_inputs():
     assert y.dtype == jnp.float32
 
 
+# dimension numbers lax.dot_general refuses: qdot_general used to take an out-of-range or
+# negative axis modulo the rank and silently contract another axis (the issue's first case
+# equalled the axis-1 product)
+BAD_DIMS = [
+    ((((3,), (0,)), ((), ())), r"lhs axis 3 is not an axis of the lhs of shape \(4, 8\)"),
+    ((((-1,), (0,)), ((), ())), r"lhs axis -1 is not an axis .*negative axes are refused"),
+    ((((1,), (-2,)), ((), ())), r"rhs axis -2 is not an axis of the rhs"),
+    ((((1,), (5,)), ((), ())), r"rhs axis 5 is not an axis of the rhs of shape \(8, 3\)"),
+    ((((1, 1), (0, 0)), ((), ())), r"the lhs's contracting and batch axes \(1, 1\) repeat"),
+    ((((1,), (0,)), ((1,), (1,))), r"the lhs's contracting and batch axes \(1, 1\) repeat"),
+    ((((1,), (0, 1)), ((), ())), r"pair up unequal axis counts"),
+    ((((1.0,), (0,)), ((), ())), r"lhs axis 1.0 is not an axis"),
+    (((1,), (0,)), r"is not \(\(lhs_contracting, rhs_contracting\), \(lhs_batch"),
+]
+
+
+@pytest.mark.parametrize("dims,error", BAD_DIMS)
+def test_dimension_numbers_lax_refuses_are_refused(dims, error):
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+    with pytest.raises((TypeError, ValueError)):  # the reference refuses them too
+        jax.lax.dot_general(x, w, dims)
+    with pytest.raises(ValueError, match=error):
+        qdot_general(x, w, dims, "bf16")
+    with pytest.raises(ValueError, match=error):
+        fp4lab.qdot.saved_bytes(x, w, dims, "nvfp4")
+
+
+BAD_SPECS = [("md,dn->mx", r"output letters \['x'\] are in neither operand"),
+             ("md,dn->mnn", r"\['n'\] repeat in the output"),
+             ("mdd,dn->mn", r"\['d'\] repeat in the first operand \(a diagonal or trace"),
+             ("md,dnn->mn", r"\['n'\] repeat in the second operand"),
+             ("m1,dn->mn", r"'m1' has characters other than letters"),
+             ("md,dn", r"must look like 'bsd,df->bsf'"),
+             ("md,dn->m", r"\['n'\] of the second operand are summed alone")]
+
+
+@pytest.mark.parametrize("spec,error", BAD_SPECS)
+def test_einsum_specs_that_are_no_gemm_are_refused(spec, error):
+    with pytest.raises(ValueError, match=error):
+        qeinsum(spec, jnp.ones((4, 8)), jnp.ones((8, 3)), "bf16")
+
+
+def test_intercepted_calls_validate_their_dimension_numbers():
+    """A model's own lax.dot_general / jnp.einsum calls, quantized by an op rule, are checked
+    as qdot_general checks them."""
+    import flax.linen as nn
+    from fp4lab.flax import quantize_model
+    from fp4lab.policy import PrecisionPolicy, Rule
+
+    class Mix(nn.Module):
+        dims: tuple
+
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(), (8, 3))
+            return jax.lax.dot_general(x, w, self.dims)
+
+    x = jnp.ones((4, 8))
+    policy = PrecisionPolicy(rules=(Rule(recipe="mxfp8", kind="lax.dot_general"),))
+    good = Mix((((1,), (0,)), ((), ())))
+    params = good.init(jax.random.key(0), x)
+    quantize_model(good, policy).apply(params, x)
+    with pytest.raises(ValueError, match=r"lhs axis -1 is not an axis"):
+        quantize_model(Mix((((-1,), (0,)), ((), ()))), policy).apply(params, x)
+
+
 def test_qeinsum_ellipses_name_the_same_dims_in_every_term():
     kx, kw = jax.random.split(jax.random.key(6))
     x = jax.random.normal(kx, (2, 3, 5, 32))
