@@ -44,10 +44,10 @@ import jax.numpy as jnp
 
 from fp4lab import rounding
 from fp4lab.formats import Format
-from fp4lab.quantize import (check_arguments, dequantize_blocks, from_blocks, quantize_blocks,
-                             rounded_output, to_blocks)
+from fp4lab.quantize import (check_amax_covers, check_arguments, dequantize_blocks,
+                             from_blocks, quantize_blocks, rounded_output, to_blocks)
 
-__all__ = ["quant_metrics", "METRIC_NAMES", "error_metrics"]
+__all__ = ["quant_metrics", "operand_metrics", "METRIC_NAMES", "error_metrics"]
 
 METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "sqnr_db",
                 "bad_scales", "block_dynamic_range", "map4_share", "noise_ratio")
@@ -149,7 +149,17 @@ def quant_metrics(
     key: jax.Array | None = None,
     global_amax: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """Metrics (see module doc) of quantizing ``x`` to ``fmt``; arguments as ``quantize``."""
+    """Metrics (see module doc) of quantizing ``x`` to ``fmt``; arguments as ``quantize``
+    (a concrete ``global_amax`` below a concrete ``max|x|`` is refused, as there)."""
+    check_amax_covers(x, global_amax)
+    return operand_metrics(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
+                           global_amax=global_amax)
+
+
+def operand_metrics(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
+                    global_amax=None) -> dict[str, jax.Array]:
+    """:func:`quant_metrics` of a GEMM operand (the probes): its ``global_amax``, from an amax
+    history, may lie below ``max|x|`` and saturate it, which is what the probe measures."""
     x, fmt, g, _ = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                                    global_amax=global_amax)
     out = _metrics(x, key, global_amax, fmt=fmt, g=g, rounding=rounding)

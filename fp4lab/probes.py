@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.hadamard import rht
-from fp4lab.metrics import METRIC_NAMES, quant_metrics
+from fp4lab.metrics import METRIC_NAMES, operand_metrics
 from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
 __all__ = ["probe_zeros", "probe_table", "measure", "PROBE_SHAPE"]
@@ -40,7 +40,7 @@ def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=Non
     delayed amax, if any: a scale that lags the data shows as saturation)."""
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
-    m = quant_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+    m = operand_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
                       tile=op.tile, rounding=op.rounding, key=key, global_amax=global_amax)
     return jnp.stack([m[k] for k in METRIC_NAMES])
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -217,7 +218,43 @@ def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
                          f"no 2D tile (got tile={tile}) and no global_amax")
     if global_amax is not None and not (fmt.has_global_scale or fmt.granularity == "tensor"):
         raise ValueError(f"global_amax given, but format {fmt.name} has no per-tensor scale")
+    if global_amax is not None:
+        _check_global_amax(global_amax)
     return x, fmt, g, ax
+
+
+def _check_global_amax(global_amax) -> None:
+    """A given per-tensor amax is a finite scalar >= 0; checked where it is concrete (a
+    traced one must satisfy the same, unchecked: a negative amax would act as its magnitude,
+    a NaN or infinite one as the special values of docs/numerics.md)."""
+    if jnp.ndim(global_amax):
+        raise ValueError(f"global_amax must be a scalar, got shape {jnp.shape(global_amax)}")
+    if isinstance(global_amax, jax.core.Tracer):
+        return
+    a = float(global_amax)
+    if not (math.isfinite(a) and a >= 0):
+        raise ValueError(f"global_amax={a!r} must be a finite amax >= 0 (max|x| of the tensor, "
+                         "a shared amax, or one from an amax history)")
+
+
+def check_amax_covers(x, global_amax) -> None:
+    """Refuse a concrete ``global_amax`` below a concrete tensor's ``max|x|``: every value
+    above it would saturate, and the tensor would come back clipped to ``±global_amax``
+    (relative error near 1 for a small one). The public quantizers call it eagerly; inside
+    ``jit`` (and in the GEMMs, where delayed scaling's amax from the history may lag the
+    tensor and saturate it, as Transformer Engine's does) such an amax is taken as given."""
+    if global_amax is None:
+        return
+    _check_global_amax(global_amax)
+    if any(isinstance(v, jax.core.Tracer) for v in (x, global_amax)):
+        return
+    amax = float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), initial=0.0))
+    if math.isfinite(amax) and float(global_amax) < amax:
+        raise ValueError(f"global_amax={float(global_amax)!r} is below max|x|={amax!r}: every "
+                         "value above it would saturate (the tensor clipped to "
+                         "±global_amax); pass an amax >= max|x| (a lagging amax, as "
+                         "delayed scaling's, saturates the tensor only under jax.jit, where "
+                         "it is taken as given)")
 
 
 # --------------------------------------------------------------------------- core
@@ -245,8 +282,6 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
     tensor_amax = None
     if global_amax is not None:
         global_amax = jnp.asarray(global_amax, jnp.float32)
-        if global_amax.ndim:
-            raise ValueError(f"global_amax must be a scalar, got shape {global_amax.shape}")
     if scheme.amax_per_slice:  # over the block axis's blocks, one per slice (keepdims)
         (inner,) = g.reduce_axes
         tensor_amax = rnd.abs_max(stat, axis=(inner - 1, inner), keepdims=True)
@@ -355,12 +390,17 @@ def quantize(
       key: ``jax.random`` key, required for stochastic rounding. The same key gives the same
         bits.
       global_amax: use this per-tensor amax instead of ``max|x|`` (NVFP4's global scale; the
-        amax of per-tensor FP8): e.g. a shared amax, or one from a previous step.
+        amax of per-tensor FP8): e.g. a shared amax, or one from a previous step. A finite
+        scalar ``>= 0``; a concrete one below a concrete ``max|x|`` is refused (it would clip
+        the tensor to ``±global_amax``). A traced one must satisfy the same and is not
+        checked: a smaller one saturates every value above it (delayed scaling's lagging
+        amax), a negative one acts as its magnitude, NaN and inf as docs/numerics.md says.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.backend`); the
         kernels give the same bits.
     """
     x, fmt, g, ax = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding,
                                     key=key, global_amax=global_amax)
+    check_amax_covers(x, global_amax)
     kernel = _backend.decide(backend, _backend.Request(
         op="quantize", format=fmt, shape=x.shape, axis=ax - x.ndim, tile=tile,
         rounding=rounding))
@@ -519,6 +559,7 @@ def fake_quant(
     the scaled input exceeded the element format's max (was clipped). Arguments as
     :func:`quantize`; on the kernel path the codes are materialized (quantize kernel, then
     dequantize kernel)."""
+    check_amax_covers(x, global_amax)
     return fake_quant_operand(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                               global_amax=global_amax, mask_saturated=mask_saturated,
                               backend=backend, strict=True)

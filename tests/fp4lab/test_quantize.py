@@ -95,10 +95,17 @@ def same_bits(a, b):
         f"{a[bad][:3]} vs {b[bad][:3]}"
 
 
-def check_fake_quant_matches(x, fmt, **kw):
+def with_amax(f, amax, **kw):
+    """``f(x, **kw, global_amax=amax)`` as a function of ``x``, under jit: a given amax below
+    ``max|x|`` (delayed scaling's lagging amax, which saturates) is refused eagerly and taken
+    as given under jit; the oracle checks what it does."""
+    return lambda x: jax.jit(lambda x, a: f(x, **kw, global_amax=a))(x, amax)
+
+
+def check_fake_quant_matches(x, fmt, global_amax=None, **kw):
     """fake_quant == dequantize(quantize(x)) in x's dtype, bit for bit."""
-    y1 = fp4lab.fake_quant(x, fmt, **kw)
-    y2 = fp4lab.dequantize(fp4lab.quantize(x, fmt, **kw), x.dtype)
+    y1 = with_amax(fp4lab.fake_quant, global_amax, fmt=fmt, **kw)(x)
+    y2 = fp4lab.dequantize(with_amax(fp4lab.quantize, global_amax, fmt=fmt, **kw)(x), x.dtype)
     same_bits(np.asarray(y1, F32), np.asarray(y2, F32))
 
 
@@ -107,7 +114,7 @@ def check_fake_quant_matches(x, fmt, **kw):
 
 def check_nvfp4(x, *, tile=None, ftz=False, dtype="fp32", global_amax=None):
     xin = as_input(x, dtype)
-    q = fp4lab.quantize(xin, "nvfp4", tile=tile, global_amax=global_amax)
+    q = with_amax(fp4lab.quantize, global_amax, fmt="nvfp4", tile=tile)(xin)
     block = tile or (1, 16)
     codes, sb, amax = ref.nvfp4_quantize(x, block_shape=block, amax=global_amax, ftz=ftz)
     np.testing.assert_array_equal(codes_of(q), codes)
@@ -187,7 +194,33 @@ def test_nvfp4_nan_and_inf():
 def test_nvfp4_global_amax_argument():
     x = wide_range(8, (4, 32), -3, 3)
     check_nvfp4(x, global_amax=F32(100.0))
-    check_nvfp4(x, global_amax=F32(1.0))  # smaller than max|x|: saturates
+    check_nvfp4(x, global_amax=F32(1.0))  # smaller than max|x|: saturates (under jit)
+
+
+def test_a_given_amax_that_cannot_be_an_amax_is_refused():
+    """The issue's inputs: a negative amax acted as its magnitude and one below max|x| clipped
+    the tensor to it (relative error 0.999), silently. Eagerly both are refused; a NaN or
+    infinite one too."""
+    x = jnp.asarray(wide_range(8, (4, 32), -3, 3))
+    amax = float(jnp.max(jnp.abs(x)))
+    calls = (lambda a: fp4lab.quantize(x, "nvfp4", global_amax=a),
+             lambda a: fp4lab.fake_quant(x, "nvfp4", global_amax=a),
+             lambda a: fp4lab.fake_quant(x, "fp8_e4m3", global_amax=a),
+             lambda a: fp4lab.quant_metrics(x, "nvfp4", global_amax=a))
+    for call in calls:
+        for bad in (-amax, F32(-2.0), float("nan"), float("inf"), -0.0 - 1e-30):
+            with pytest.raises(ValueError, match=r"global_amax=.* must be a finite amax >= 0"):
+                call(bad)
+        for low in (amax / 2, F32(1e-3), 0.0):
+            with pytest.raises(ValueError, match=r"global_amax=.* is below max\|x\|=.*under "
+                                                 r"jax.jit"):
+                call(low)
+        with pytest.raises(ValueError, match=r"global_amax must be a scalar, got shape \(2,\)"):
+            call(jnp.ones(2))
+        call(amax)  # the tensor's own amax, and any larger one, are amaxes
+        call(2 * amax)
+    zeros = jnp.zeros((2, 16))
+    fp4lab.quantize(zeros, "nvfp4", global_amax=0.0)  # all zero: amax 0 covers it
 
 
 def test_nvfp4_flush_to_zero_regime():
@@ -262,7 +295,7 @@ def test_fp8_per_tensor(fmt, elem, name):
     same_bits(fp4lab.dequantize(q), ref.fp8_tensor_dequantize(codes, scale_inv, elem))
     check_fake_quant_matches(xin, fmt)
     # a given amax (e.g. from a history) replaces max|x|
-    q = fp4lab.quantize(xin, fmt, global_amax=F32(3.0))
+    q = with_amax(fp4lab.quantize, F32(3.0), fmt=fmt)(xin)  # below max|x|: under jit
     codes, _, scale_inv = ref.fp8_tensor_quantize(x, elem, amax=F32(3.0))
     np.testing.assert_array_equal(codes_of(q), codes)
 
