@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from fp4lab.backend import Kernel, Request, refusal
 from fp4lab.formats import E2M1, E4M3, E5M2, Format, get_format
 from fp4lab.qarray import QArray
+from fp4lab.quantize import check_amax_covers
 from fp4lab.rounding import abs_max
 from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (abs_bits, abs_max_bits, bits, check_input, compiler_params,
@@ -255,6 +256,7 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
     fmt = get_format(fmt)
     x = jnp.asarray(x)
     check_input(x)
+    check_amax_covers(x, global_amax)
     axis = axis if axis < 0 else axis - x.ndim
     reason = _refusal(Request(op="quantize", format=fmt, shape=x.shape, axis=axis, tile=tile,
                               rounding=rounding))
@@ -321,6 +323,7 @@ def quantize_weight_nvfp4(w, *, global_amax=None, interpret: bool | None = None,
     being the transposed copy that dgrad reads (the same scales, transposed)."""
     w = jnp.asarray(w)
     check_input(w)
+    check_amax_covers(w, global_amax)
     fmt = get_format(fmt)
     if w.ndim != 2:
         raise ValueError(f"quantize_weight_nvfp4 takes a matrix, got shape {w.shape}")

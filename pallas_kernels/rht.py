@@ -44,8 +44,9 @@ from jax.experimental import pallas as pl
 
 from fp4lab.backend import Kernel, Request, refusal
 from fp4lab.formats import E2M1, Format, get_format
-from fp4lab.hadamard import rht_signs_and_scale
+from fp4lab.hadamard import rht, rht_signs_and_scale
 from fp4lab.qarray import QArray
+from fp4lab.quantize import check_amax_covers
 from fp4lab.scaling import NVFP4Scale
 from fp4lab.rounding import abs_max
 from pallas_kernels.common import (abs_max_bits, bits, check_input, compiler_params, e2m1_code,
@@ -166,6 +167,9 @@ def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
     if reason:
         raise ValueError(f"no kernel: {reason}")
     rht_signs_and_scale(16, signs)  # validates signs
+    if global_amax is not None:  # the amax of the transformed tensor (eagerly: refused below)
+        concrete = not any(isinstance(v, jax.core.Tracer) for v in (x, global_amax))
+        check_amax_covers(rht(x, 0, signs=signs) if concrete else x, global_amax)
     return _rht_quantize(x, key, global_amax, fmt=fmt, rounding=rounding, signs=signs,
                          cfg=config, interpret=interpret_mode(interpret))
 

@@ -29,9 +29,11 @@ def oracle_operand(v, op, axis, key, signs="te", amax=None):
         v = rht(v, axis, op.hadamard, signs)
     if op.format.is_passthrough:
         return v.astype(op.format.element.storage)
-    q = fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                        tile=op.tile, rounding=op.rounding, key=key, global_amax=amax)
-    return fp4lab.dequantize(q)
+    def quant(v, amax):
+        return fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+                               tile=op.tile, rounding=op.rounding, key=key, global_amax=amax)
+    # a lagging amax (below max|v|) saturates v, as delayed scaling does: taken under jit
+    return fp4lab.dequantize(quant(v, None) if amax is None else jax.jit(quant)(v, amax))
 
 
 def history_for(recipe):

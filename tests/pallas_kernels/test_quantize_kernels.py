@@ -2,6 +2,8 @@
 (interpret mode here; the same tests run the compiled kernels on a GPU), and every kernel
 lowers for an abstract H200 without one."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,10 +56,20 @@ def test_zeros_nan_and_inf_give_the_reference_result(fmt):
 
 
 def test_nvfp4_with_a_given_global_amax():
-    x = special((8, 48), jnp.float32)
-    for amax in (1.0, 100.0, 0.0):
-        assert_same_qarray(quantize(x, "nvfp4", global_amax=amax),
-                           fp4lab.quantize(x, "nvfp4", global_amax=amax))
+    x = special((8, 48), jnp.float32)  # max|x| = 57344
+    for amax in (1.0, 100.0, 0.0, 57344.0, 1e6):
+        # an amax below max|x| (delayed scaling's lagging one) saturates: taken under jit
+        assert_same_qarray(jax.jit(lambda x, a: quantize(x, "nvfp4", global_amax=a))(x, amax),
+                           jax.jit(lambda x, a: fp4lab.quantize(x, "nvfp4", global_amax=a))(
+                               x, amax))
+    assert_same_qarray(quantize(x, "nvfp4", global_amax=1e6),
+                       fp4lab.quantize(x, "nvfp4", global_amax=1e6))
+    for amax, refusal in ((1.0, "is below max|x|=57344.0"), (-1.0, "global_amax=-1.0")):
+        for kernel in (quantize, fp4lab.quantize):  # refused eagerly, as the reference does
+            with pytest.raises(ValueError, match=re.escape(refusal)):
+                kernel(x, "nvfp4", global_amax=amax)
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            quantize_weight_nvfp4(x[:, :32], global_amax=amax)
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (40, 72), (64, 256), (100, 33)])

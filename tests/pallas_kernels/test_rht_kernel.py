@@ -54,9 +54,17 @@ def test_zeros_infinities_nan_and_seeded_signs():
     assert np.all(np.isnan(np.asarray(fp4lab.dequantize(got))))  # a NaN never disappears
     assert_same_qarray(rht_quantize_nvfp4(x, rounding="nearest", signs=7, config=SMALL),
                        reference(x, signs=7))
-    for amax in (1.0, 0.0):
-        assert_same_qarray(rht_quantize_nvfp4(x, rounding="nearest", global_amax=amax),
-                           reference(x, global_amax=amax))
+    top = float(jnp.max(jnp.abs(rht(x, 0))))
+    for amax in (1.0, 0.0, top, 2 * top):  # below max|rht(x)|: saturates, taken under jit
+        assert_same_qarray(
+            jax.jit(lambda x, a: rht_quantize_nvfp4(x, rounding="nearest", global_amax=a))(
+                x, amax),
+            jax.jit(lambda x, a: reference(x, global_amax=a))(x, amax))
+    assert_same_qarray(rht_quantize_nvfp4(x, rounding="nearest", global_amax=top),
+                       reference(x, global_amax=top))
+    for amax in (1.0, -2.0, float("nan")):  # refused eagerly, as the reference does
+        with pytest.raises(ValueError, match="global_amax="):
+            rht_quantize_nvfp4(x, rounding="nearest", global_amax=amax)
 
 
 def test_stochastic_rounding_is_unbiased_and_deterministic_per_key():
