@@ -17,8 +17,8 @@ from flax.core import lift
 from flax.core.scope import in_filter
 from flax.nnx import variablelib
 
-__all__ = ["linen_module_stack", "linen_calling_module", "linen_child",
-           "linen_lifted_rng_split", "linen_einsum_bias_shape", "nnx_calling_module",
+__all__ = ["linen_module_stack", "linen_calling_module", "linen_child", "linen_lifted",
+           "linen_filter_value", "linen_einsum_bias_shape", "nnx_calling_module",
            "swap_class", "OverwriteWithGradient"]
 
 
@@ -41,24 +41,36 @@ def linen_child(module: nn.Module, name: str):
     return module._state.children.get(name)
 
 
-def linen_lifted_rng_split(module: nn.Module, rng: str) -> tuple[str, object] | None:
+def linen_lifted(module: nn.Module) -> tuple[str, dict] | None:
     """For ``module`` an instance of ``nn.scan`` or ``nn.vmap`` of a module class: the
-    transform's name (``"scan"``, ``"vmap"``) and what its ``split_rngs`` says of ``rng``
-    (``None`` when it does not name it). ``None`` for any other module. Read off the lifted
+    transform's name (``"scan"``, ``"vmap"``) and its arguments as bound to the signature of
+    ``flax.core.lift.scan`` / ``vmap`` (``variable_axes``, ``split_rngs``, ``length``,
+    ``axis_size``, ...; defaults filled in). ``None`` for any other module. Read off the lifted
     ``__call__``'s closure, where Flax keeps the transform and its arguments."""
     call = getattr(type(module), "__call__", None)
     names = getattr(getattr(call, "__code__", None), "co_freevars", ())
     lifted = ("transform", "trafo_args", "trafo_kwargs")
     if not set(lifted) <= set(names):
         return None
-    cells = {n: c.cell_contents for n, c in zip(names, call.__closure__) if n in lifted}
+    cells = {n: c.cell_contents for n, c in zip(names, call.__closure__, strict=True)
+             if n in lifted}
     transform = cells["transform"]
     if transform not in (lift.scan, lift.vmap):
         return None
-    split_rngs = inspect.signature(transform).bind_partial(
-        None, *cells["trafo_args"], **cells["trafo_kwargs"]).arguments.get("split_rngs", {})
-    return transform.__name__, next(
-        (split for f, split in split_rngs.items() if in_filter(f, rng)), None)
+    bound = inspect.signature(transform).bind_partial(
+        None, *cells["trafo_args"], **cells["trafo_kwargs"])
+    bound.apply_defaults()
+    return transform.__name__, dict(bound.arguments)
+
+
+def linen_filter_value(mapping, name: str):
+    """The value a Linen transform's filter mapping (``split_rngs``, ``variable_axes``) gives
+    collection or rng ``name``: the first filter that matches it, as Flax groups them;
+    ``None`` when none does. An axis given as ``flax.typing.In``/``Out`` is its axis."""
+    for f, value in (mapping or {}).items():
+        if in_filter(f, name):
+            return getattr(value, "axis", value)
+    return None
 
 
 def linen_einsum_bias_shape(module: nn.Einsum, spec: str, inputs, kernel):

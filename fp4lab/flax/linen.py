@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from fp4lab import outcontrol
 from fp4lab.delayed import init_history
 from fp4lab.einsum import plan_einsum
 from fp4lab.flax.internals import (linen_calling_module, linen_child, linen_einsum_bias_shape,
-                                   linen_lifted_rng_split, linen_module_stack)
+                                   linen_filter_value, linen_lifted, linen_module_stack)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
                              quantized_call, runs_as_written, trace_abstractly)
 from fp4lab.policy import OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused
@@ -33,27 +34,81 @@ __all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers
            "LAYER_TYPES"]
 
 
-def _quant_broadcast_by(module: nn.Module) -> str | None:
-    """``"nn.scan"`` or ``"nn.vmap"`` if ``module`` is a Linen scan or vmap of a module class
-    whose ``split_rngs`` broadcasts the "quant" rng."""
-    lifted = linen_lifted_rng_split(module, "quant")
-    return f"nn.{lifted[0]}" if lifted is not None and lifted[1] is False else None
+@dataclasses.dataclass(frozen=True)
+class _Lift:
+    """A Linen ``nn.scan`` or ``nn.vmap`` around a running module: the transform, the lifted
+    module's path, its arguments (``flax.core.lift``'s signature) and its size (iterations or
+    members; ``None`` where neither its arguments nor the variables say)."""
+
+    transform: str  # "nn.scan" / "nn.vmap"
+    path: str
+    args: dict
+    size: int | None
+
+    def axis(self, collection: str) -> int | None:
+        """The axis along which it maps ``collection`` (``None``: not mapped)."""
+        return linen_filter_value(self.args.get("variable_axes"), collection)
+
+    def split(self, rng: str):
+        """What its ``split_rngs`` says of ``rng`` (``None``: not named)."""
+        return linen_filter_value(self.args.get("split_rngs"), rng)
+
+    @property
+    def stacks(self) -> bool:
+        """It maps the parameters along an axis: the blocks it runs are stacked."""
+        return self.axis("params") is not None
+
+    def __str__(self):
+        return f"{self.transform} at {self.path}"
 
 
-def _broadcast_around(module: nn.Module) -> str | None:
-    """The Linen scan or vmap around the running ``module`` that broadcasts the "quant" rng
-    (``"nn.scan at blocks"``), if any. Flax runs a lifted module's body without putting the
-    lifted module on the module stack: it is the child, on the way to ``module``, of a module
-    on the stack."""
-    path = module.scope.path
-    for m in linen_module_stack():
+def _lifts_around(module: nn.Module) -> list[_Lift]:
+    """The Linen scans and vmaps around the running ``module``, outermost first. Flax runs a
+    lifted module's body without putting the lifted module on the module stack: it is the
+    child, on the way to ``module``, of a module on the stack."""
+    path, stack = module.scope.path, linen_module_stack()
+    out: dict[str, _Lift] = {}
+    for m in stack:
         outer = m.scope.path
-        if len(outer) < len(path) and path[:len(outer)] == outer:
-            child = linen_child(m, path[len(outer)])
-            lifted = isinstance(child, nn.Module) and _quant_broadcast_by(child)
-            if lifted:
-                return f"{lifted} at {'/'.join(path[:len(outer) + 1])}"
+        if not (len(outer) < len(path) and path[:len(outer)] == outer):
+            continue
+        name = path[len(outer)]
+        child = linen_child(m, name)
+        found = linen_lifted(child) if isinstance(child, nn.Module) else None
+        if found is not None and "/".join(outer + (name,)) not in out:
+            kind, args = found
+            body = next((b for b in stack if b.scope.path == outer + (name,)), None)
+            lifted = "/".join(outer + (name,))
+            out[lifted] = _Lift(f"nn.{kind}", lifted, args, _lift_size(kind, args, m, name,
+                                                                        body))
+    return list(out.values())
+
+
+def _lift_size(kind: str, args: dict, parent: nn.Module, name: str, body) -> int | None:
+    """A lift's iterations (``length``) or members (``axis_size``), else read off a variable
+    it maps: its shape outside (``parent``'s, stacked) along the mapped axis."""
+    size = args.get("length" if kind == "scan" else "axis_size")
+    if size is not None or body is None:
+        return size
+    for collection, tree in parent.variables.items():
+        axis = linen_filter_value(args.get("variable_axes"), collection)
+        if axis is None or name not in tree:
+            continue
+        inner = {k for k, _ in jax.tree_util.tree_leaves_with_path(
+            body.variables.get(collection, {}))}
+        for k, leaf in jax.tree_util.tree_leaves_with_path(tree[name]):
+            if k in inner:
+                return int(jnp.shape(leaf)[axis])
     return None
+
+
+def _stack(module: nn.Module) -> tuple[int, ...]:
+    """The blocks the running ``module`` is stacked over: the sizes of the lifts around it
+    that map the parameters (``()``: not stacked)."""
+    lifts = [lift for lift in _lifts_around(module) if lift.stacks]
+    if any(lift.size is None for lift in lifts):
+        return ()  # (an unknown size: nothing to stack by; the body runs one recipe)
+    return tuple(lift.size for lift in lifts)
 
 
 # while QuantizedLinen.assignments traces apply: {GEMM path: the dtype of its W operand}
@@ -75,7 +130,8 @@ def _linen_key(module: nn.Module, recipe: Recipe):
     where = (f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
              "stochastic rounding")
     if module.has_rng("quant"):
-        lifted = _broadcast_around(module)
+        lifted = next((lift for lift in _lifts_around(module) if lift.split("quant") is False),
+                      None)
         if lifted is not None:
             raise ValueError(f"{where}, but {lifted} gives every iteration the same 'quant' "
                              "rng (correlated rounding noise across iterations): pass "
@@ -91,12 +147,68 @@ def _linen_key(module: nn.Module, recipe: Recipe):
     raise ValueError(f"{where}: pass rngs={{'quant': key}} to apply")
 
 
-def _linen_probe(module: nn.Module, name: str = "gemm"):
-    """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed one:
-    variable ``name`` of ``module`` (``"gemm"`` for a layer, ``"einsum_0"``... for a call)."""
-    if module.has_variable("probes", name):
-        return module.get_variable("probes", name)
+# while QuantizedLinen builds a collection of per-GEMM state (probe_zeros, history_init):
+# its name; every GEMM then creates its variable there, and Flax stacks it as it stacks params
+_creating: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp4lab_creating",
+                                                                     default=None)
+# the collections the caller of QuantizedLinen.apply passed in its variables or made mutable
+_passed: contextvars.ContextVar[frozenset] = contextvars.ContextVar("fp4lab_passed",
+                                                                   default=frozenset())
+
+
+def _where(module: nn.Module, name: str) -> str:
+    return "/".join(module.scope.path) + ("" if name == "gemm" else f"/{name}")
+
+
+def _check_reaches(module: nn.Module, collection: str, name: str, what: str) -> None:
+    """Refuse a per-GEMM ``collection`` that the caller uses but a Linen transform around the
+    GEMM does not carry into its blocks: a scan that stacks the parameters and not this
+    collection hands its blocks none of it (a probe would read zeros, OutControl would never
+    split) or one for all of them."""
+    if collection not in _passed.get() and _creating.get() != collection:
+        return
+    lift = next((lift for lift in _lifts_around(module)
+                 if lift.stacks and lift.axis(collection) is None), None)
+    if lift is not None:
+        axis = lift.axis("params")
+        raise ValueError(f"{_where(module, name)}'s {what}: {lift} stacks the blocks' "
+                         f"parameters (variable_axes 'params': {axis}) but not the "
+                         f"'{collection}' collection, so its blocks would not get one each; "
+                         f"add '{collection}': {axis} to its variable_axes")
+
+
+def _gemm_state(module: nn.Module, collection: str, name: str, init, what: str, build: str):
+    """The GEMM's variable ``name`` of ``collection`` (a probe, an amax history): created
+    with ``init`` while QuantizedLinen builds the collection, read when the caller passed it;
+    ``None`` when the caller did not. A collection passed without this GEMM's entry, or with
+    one of another shape, is an error (``build``: the QuantizedLinen method that builds
+    it)."""
+    _check_reaches(module, collection, name, what)
+    if _creating.get() == collection:
+        return module.variable(collection, name, init).value
+    fix = (f"build the '{collection}' collection with QuantizedLinen.{build}(variables, "
+           "*inputs) for these inputs")
+    if module.has_variable(collection, name):
+        value = module.get_variable(collection, name)
+        if value is None:  # a caller's way of switching one off
+            return None
+        want = jnp.shape(jax.eval_shape(init))
+        if jnp.shape(value) != want:
+            raise ValueError(f"{_where(module, name)}'s {what} has shape {jnp.shape(value)} "
+                             f"here, not {want}: {fix} (under nn.scan it is stacked along the "
+                             "scan's axis)")
+        return value
+    if collection in _passed.get() and not module.is_initializing():
+        raise ValueError(f"{_where(module, name)}: the '{collection}' collection passed to "
+                         f"apply has no {what} for it; {fix}")
     return None
+
+
+def _linen_probe(module: nn.Module, name: str = "gemm"):
+    """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed the
+    ``"probes"`` collection: variable ``name`` of ``module`` (``"gemm"`` for a layer,
+    ``"einsum_0"``... for a call)."""
+    return _gemm_state(module, "probes", name, probe_zeros, "probe", "probe_zeros")
 
 
 def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
@@ -104,14 +216,15 @@ def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
     :meth:`QuantizedLinen.history_init`) when its recipe uses delayed scaling."""
     if recipe.delayed is None:
         return None
-    if module.has_variable("amax_history", name):
-        return module.get_variable("amax_history", name)
+    history = _gemm_state(module, "amax_history", name, lambda: init_history(recipe.delayed),
+                          "amax history", "history_init")
+    if history is not None:
+        return history
     if module.is_initializing() or _recording.get() is not None:  # shapes only
         return init_history(recipe.delayed)
-    where = "/".join(module.scope.path) + ("" if name == "gemm" else f"/{name}")
-    raise ValueError(f"{where} uses recipe {recipe.name} with delayed scaling: pass its amax "
-                     "history in the 'amax_history' collection (QuantizedLinen.history_init "
-                     "gives the first one)")
+    raise ValueError(f"{_where(module, name)} uses recipe {recipe.name} with delayed scaling: "
+                     "pass its amax history in the 'amax_history' collection "
+                     "(QuantizedLinen.history_init gives the first one)")
 
 
 def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
@@ -122,6 +235,8 @@ def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
     given, is its split (``fp4lab.outcontrol``). ``None``: the recipe without the split."""
     if recipe.outliers is None:
         return None
+    _check_reaches(module, "channel_norms", name, "channel norms")
+    _check_reaches(module, "outlier_channels", name, "outlier channels")
     if (module.is_mutable_collection("channel_norms") and not module.is_initializing()
             and _recording.get() is None):
         norms = outcontrol.channel_norms(lhs, dimension_numbers)
@@ -225,7 +340,7 @@ class _OpNamer(CallCounter):
                                                                  QEinsum)):
             return None  # outside modules, or inside a layer its own hook quantizes
         path = "/".join(m.scope.path)
-        name = super().__call__(path, kind)
+        name = super().__call__(m, path, kind)
         return m, name, f"{path}/{name}" if path else name
 
 
@@ -280,22 +395,42 @@ class QuantizedLinen:
     def init(self, *args, **kwargs):
         return self.model.init(*args, **kwargs)
 
-    def _num_blocks(self, variables):
-        return self.num_blocks or self.policy.infer_num_blocks(
-            p for p, _ in param_layers(variables))
-
     def apply(self, variables, *args, **kwargs):
-        out, met = self._apply(variables, args, kwargs)
+        out, met = self._apply(variables, args, kwargs, self._num_blocks(variables, args,
+                                                                          kwargs))
         if self.strict or not self._checked:
             self._checked = True
             check_unused(self.policy, [a for a in met.values() if a.recipe is not None],
                          strict=self.strict, stacklevel=2, none_found=NONE_FOUND)
         return out
 
-    def _apply(self, variables, args, kwargs) -> tuple[object, dict[str, Assignment]]:
+    def _num_blocks(self, variables, args, kwargs) -> int | None:
+        """The model's number of blocks for depth and outside-the-blocks rules: the wrapper's
+        ``num_blocks``, else one more than the largest block index in the parameter paths,
+        else (blocks stacked by ``nn.scan``, whose paths have no index) the largest stack
+        :meth:`assignments` met."""
+        found = self.num_blocks or self.policy.infer_num_blocks(
+            p for p, _ in param_layers(variables))
+        if found or not self.policy.uses_blocks:
+            return found
+        return self._record(variables, args, kwargs)[1]
+
+    def _assign(self, module: nn.Module, path: str, kind: str, num_blocks: int | None,
+                op: bool = False) -> Assignment | None:
+        """The assignment of a GEMM met while ``module`` runs; blocks stacked by a Linen
+        scan (or vmap) run one traced body, so they get one recipe, or are refused where the
+        rules would give them different ones. ``None``: a call no op rule quantizes."""
+        stack = _stack(module)
+        if stack and self.policy.block_of(path) is None:
+            return self.policy.assign_stacked(path, kind, num_blocks or math.prod(stack), stack)
+        if op:
+            return self.policy.assign_op(path, kind, num_blocks)
+        return self.policy.assign(path, kind, num_blocks)
+
+    def _apply(self, variables, args, kwargs, num_blocks: int | None
+               ) -> tuple[object, dict[str, Assignment]]:
         """``model.apply`` with every governed call quantized, and what each GEMM it met got
         (in call order; an intercepted call no op rule quantizes: recipe ``None``)."""
-        num_blocks = self._num_blocks(variables)
         met: dict[str, Assignment] = {}
 
         def intercept(next_fun, args, kwargs, context):
@@ -304,7 +439,7 @@ class QuantizedLinen:
             if context.method_name != "__call__" or kind is None or m.is_initializing():
                 return next_fun(*args, **kwargs)
             path = "/".join(m.scope.path)
-            met[path] = a = self.policy.assign(path, kind, num_blocks)
+            met[path] = a = self._assign(m, path, kind, num_blocks)
             return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
         namer = _OpNamer()
@@ -314,76 +449,111 @@ class QuantizedLinen:
             if found is None or found[0].is_initializing():
                 return original(*args, **kwargs)
             module, name, op_path = found
-            a = self.policy.assign_op(op_path, kind, num_blocks)
+            a = self._assign(module, op_path, kind, num_blocks, op=True)
             met[op_path] = a or Assignment(op_path, kind, self.policy.block_of(op_path),
-                                           None, None)
+                                           None, None, _stack(module))
             _note(op_path, operand_w(kind, args))
             if a is None or runs_as_written(a.recipe, kind, args):
                 return original(*args, **kwargs)
             return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
                                  kwargs)
 
+        mutable = kwargs.get("mutable", False)
+        passed = set(variables) | (set(mutable) if isinstance(mutable, (list, tuple)) else
+                                   {mutable} if isinstance(mutable, str) else set())
         with contextlib.ExitStack() as stack:
             stack.enter_context(nn.intercept_methods(intercept))
             if self.policy.governs_ops:
                 stack.enter_context(OpCalls.intercepted(op))
+            token = _passed.set(frozenset(passed))
+            stack.callback(_passed.reset, token)
             return self.model.apply(variables, *args, **kwargs), met
 
-    def assignments(self, variables, *args, **kwargs) -> ExplainTable:
-        """What each GEMM of ``apply(variables, *args, **kwargs)`` gets, in call order, as
-        ``apply`` assigns it (path, kind, block, recipe, rule, and the dtype its W operand
-        has there): ``apply`` traced once, abstractly, per shape of its inputs. Print it for
-        a table. Probes, amax histories, ``explain`` and export read this record."""
+    def _trace(self, variables, args, kwargs, num_blocks, creating: str | None = None):
+        """``_apply`` traced once, abstractly, recording: what each GEMM got and the dtype of
+        its W, and (``creating``) the shapes of a per-GEMM state collection it creates."""
+        seen: dict[str, str] = {}
+        met: dict[str, Assignment] = {}
+        if creating is not None:
+            mutable = kwargs.get("mutable", False)
+            mutable = [] if mutable is False else [mutable] if isinstance(mutable, str) else (
+                mutable)
+            kwargs = {**kwargs, "mutable": mutable if mutable is True else [*mutable,
+                                                                              creating]}
+
+        def run(variables, *args, **kwargs):
+            out, found = self._apply(variables, args, kwargs, num_blocks)
+            met.update(found)
+            return out[1].get(creating, {}) if creating is not None else out
+
+        tokens = _recording.set(seen), _creating.set(creating)
+        try:
+            state = trace_abstractly(run, (variables, *args), kwargs)
+        finally:
+            _creating.reset(tokens[1])
+            _recording.reset(tokens[0])
+        return [dataclasses.replace(a, compute_dtype=seen.get(p)) for p, a in met.items()], state
+
+    def _record(self, variables, args, kwargs) -> tuple[ExplainTable, int | None]:
+        """The :meth:`assignments` of these inputs and the number of blocks they were made
+        with, traced once per shape of the inputs."""
         leaves, treedef = jax.tree.flatten((variables, args, kwargs))
         key = (treedef, tuple((v.shape, str(v.dtype)) if hasattr(v, "shape") else repr(v)
                               for v in leaves))
         if key not in self._records:
-            seen: dict[str, str] = {}
-            met: dict[str, Assignment] = {}
-
-            def run(variables, *args, **kwargs):
-                out, found = self._apply(variables, args, kwargs)
-                met.update(found)
-                return out
-
-            token = _recording.set(seen)
-            try:
-                trace_abstractly(run, (variables, *args), kwargs)
-            finally:
-                _recording.reset(token)
-            rows = [dataclasses.replace(a, compute_dtype=seen.get(p)) for p, a in met.items()]
+            num_blocks = self.num_blocks or self.policy.infer_num_blocks(
+                p for p, _ in param_layers(variables))
+            rows, _ = self._trace(variables, args, kwargs, num_blocks)
+            stacked = max((math.prod(a.stack) for a in rows if a.stack), default=None)
+            if num_blocks is None and stacked is not None and self.policy.uses_blocks:
+                num_blocks = stacked  # the blocks are stacked: assign again, knowing them
+                rows, _ = self._trace(variables, args, kwargs, num_blocks)
             used = {a.rule for a in rows if a.recipe is not None}
-            self._records[key] = ExplainTable(
-                rows, self.policy, [i for i in range(len(self.policy.rules)) if i not in used])
+            self._records[key] = (ExplainTable(rows, self.policy, [
+                i for i in range(len(self.policy.rules)) if i not in used]), num_blocks)
         return self._records[key]
+
+    def assignments(self, variables, *args, **kwargs) -> ExplainTable:
+        """What each GEMM of ``apply(variables, *args, **kwargs)`` gets, in call order, as
+        ``apply`` assigns it (path, kind, block, or the blocks stacked by a Linen scan,
+        recipe, rule, and the dtype its W operand has there): ``apply`` traced once,
+        abstractly, per shape of its inputs. Print it for a table. Probes, amax histories,
+        ``explain`` and export read this record."""
+        return self._record(variables, args, kwargs)[0]
 
     def layers(self, variables, *args, **kwargs) -> list[tuple[str, str]]:
         """``(path, kind)`` of every layer the policy governs, and every intercepted call
         (with op rules), in call order (:meth:`assignments`)."""
         return [(a.path, a.kind) for a in self.assignments(variables, *args, **kwargs)]
 
+    def _state_zeros(self, collection: str, variables, args, kwargs) -> dict:
+        """The per-GEMM ``collection`` (all zeros) that ``apply(variables, *args,
+        **kwargs)`` reads: every GEMM creates its variable in an abstract trace, and Flax
+        nests and stacks them as it does the parameters (a Linen scan must map the
+        collection as it maps ``"params"``; it is refused otherwise)."""
+        _, num_blocks = self._record(variables, args, kwargs)
+        _, shapes = self._trace(variables, args, kwargs, num_blocks, creating=collection)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
     def probe_zeros(self, variables, *args, **kwargs) -> dict:
         """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.probes.probe_zeros`
-        per quantized GEMM. Pass ``{**variables, "probes": probes}`` and differentiate the loss
-        with respect to ``probes``: its gradient holds every layer's GEMM-operand numerics
-        (rows: ``fp4lab.recipe.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``)."""
-        out: dict = {}
-        for a in self.assignments(variables, *args, **kwargs):
-            if a.recipe is not None:
-                _put(out, a.path, a.kind, probe_zeros())
-        return out
+        per quantized GEMM, nested like the parameters (``<path>/gemm`` for a layer,
+        ``<module path>/einsum_0`` for a call) and stacked as they are: under a Linen
+        ``nn.scan`` add ``"probes": 0`` to its ``variable_axes`` (as for ``"params"``) and
+        each block gets its own. Pass ``{**variables, "probes": probes}`` and differentiate
+        the loss with respect to ``probes``: its gradient holds every layer's GEMM-operand
+        numerics (rows: ``fp4lab.recipe.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``;
+        a stacked GEMM's blocks along the scan's axis)."""
+        return self._state_zeros("probes", variables, args, kwargs)
 
     def history_init(self, variables, *args, **kwargs) -> dict:
         """The first ``"amax_history"`` collection for :meth:`apply`: for every GEMM whose
-        recipe uses delayed scaling (``fp8_delayed``), its ``fp4lab.delayed.init_history``,
-        nested like the parameters. Pass ``{**variables, "amax_history": h}``, differentiate
-        the loss with respect to ``h`` too, and ``fp4lab.delayed.update(h, grad)`` gives the
-        next step's."""
-        out: dict = {}
-        for a in self.assignments(variables, *args, **kwargs):
-            if a.recipe is not None and a.recipe.delayed is not None:
-                _put(out, a.path, a.kind, init_history(a.recipe.delayed))
-        return out
+        recipe uses delayed scaling (``fp8_delayed``), its ``fp4lab.delayed.init_history``
+        (zeros), nested and stacked like the parameters (under ``nn.scan``, add
+        ``"amax_history": 0`` to its ``variable_axes``). Pass ``{**variables,
+        "amax_history": h}``, differentiate the loss with respect to ``h`` too, and
+        ``fp4lab.delayed.update(h, grad)`` gives the next step's."""
+        return self._state_zeros("amax_history", variables, args, kwargs)
 
     def explain(self, variables, *args, strict: bool | None = None, **kwargs) -> ExplainTable:
         """:meth:`assignments`; with ``strict`` (default: the wrapper's) a required rule that
@@ -392,18 +562,6 @@ class QuantizedLinen:
         if self.strict if strict is None else strict:
             check_unused(self.policy, [a for a in table if a.recipe is not None], strict=True)
         return table
-
-
-def _put(tree: dict, path: str, kind: str, value) -> None:
-    """A layer's variable goes to ``<path>/gemm``; an intercepted op's to its module as the
-    op's name (``<module path>/einsum_0``)."""
-    parts = path.split("/")
-    if kind not in OP_KINDS:
-        parts.append("gemm")
-    d = tree
-    for part in parts[:-1]:
-        d = d.setdefault(part, {})
-    d[parts[-1]] = value
 
 
 def param_layers(variables) -> list[tuple[str, None]]:

@@ -252,7 +252,7 @@ def _handler(record=None):
         m = nnx_calling_module()
         if m is None or type(m) in LAYER_TYPES or isinstance(m, _QuantizedGemm):
             return original(*args, **kwargs)  # outside modules, or inside a governed layer
-        name = counter(getattr(m, _PATH_ATTR, id(m)), kind)
+        name = counter(m, getattr(m, _PATH_ATTR, id(m)), kind)
         if record is not None:
             record(m, name, kind)
             return original(*args, **kwargs)
@@ -347,7 +347,7 @@ def find_op_calls(model: nnx.Module, args=(), kwargs=None
 
     def record(sub, name, kind):
         path = getattr(sub, _PATH_ATTR, None)  # static: it survives the transforms' copies
-        if path is not None:
+        if path is not None and not any(f[:2] == (path, name) for f in found):
             found.append((path, name, kind, _stacked_by(modules[path], sub)))
 
     def run(m, *a, **k):

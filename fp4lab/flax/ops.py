@@ -3,13 +3,15 @@ does: the machinery that Linen's :class:`~fp4lab.flax.linen.QuantizedLinen` and 
 :func:`~fp4lab.flax.quantize_model` share.
 
 A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``): ``n`` counts the calls of
-that kind the module made so far in one model call (Linen: one ``apply``). The first operand
-plays X and the second W.
+that kind the module made so far in one invocation of it (:class:`CallCounter`), so the names
+are places in the module's code, whichever transform traces it and however often it is called.
+The first operand plays X and the second W.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import jax
@@ -106,17 +108,37 @@ class OpCalls:
 
 
 class CallCounter:
-    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>`` in call order; one counter
-    serves one model call."""
+    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>``: ``n`` counts the calls of
+    that kind made so far in the same invocation of the module (the outermost of its methods
+    that is running), in call order. A name is thus a place in the module's code, as a
+    parameter's name is: a transform that traces the module's body again (Linen's ``nn.scan``
+    traces it twice, once for the shapes of its outputs) and a second call of a shared module
+    meet the same names, never ``einsum_2`` for the first einsum. One counter serves one
+    model call."""
 
     def __init__(self):
-        self.counts: dict[tuple[object, str], int] = {}
+        self.counts: dict[tuple[object, str, object], int] = {}
 
-    def __call__(self, owner, kind: str) -> str:
+    def __call__(self, module, owner, kind: str) -> str:
+        """The name of ``module``'s call of ``kind`` now running (``owner``: the module's
+        path, which names it in the model)."""
         short = "einsum" if kind == "jnp.einsum" else "dot_general"
-        n = self.counts.get((owner, short), 0)
-        self.counts[(owner, short)] = n + 1
+        key = (owner, short, _invocation(module))
+        n = self.counts.get(key, 0)
+        self.counts[key] = n + 1
         return f"{short}_{n}"
+
+
+def _invocation(module):
+    """The frame of the outermost method of ``module`` that is running (its ``self`` is
+    ``module``): it identifies this invocation of the module while it runs (the counter keeps
+    the frame alive, so no other frame takes its identity). ``None`` outside any."""
+    found, frame = None, sys._getframe(2)
+    while frame is not None:
+        if frame.f_locals.get("self") is module:
+            found = frame
+        frame = frame.f_back
+    return found
 
 
 def runs_as_written(recipe: Recipe, kind: str, args) -> bool:

@@ -9,7 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 from fp4lab.flax.internals import (OverwriteWithGradient, linen_calling_module, linen_child,
-                                   linen_einsum_bias_shape, linen_lifted_rng_split,
+                                   linen_einsum_bias_shape, linen_filter_value, linen_lifted,
                                    linen_module_stack, nnx_calling_module, swap_class)
 
 
@@ -44,17 +44,26 @@ class Block(nn.Module):
         return nn.Dense(4)(x), None
 
 
-def test_a_linen_scans_split_rngs_are_read_off_the_lifted_module():
-    for split, want in [({"params": True, "quant": True}, True),
-                        ({"params": True, "quant": False}, False),
-                        ({"params": True}, None), ({True: False}, False)]:
-        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs=split, length=2)
-        assert linen_lifted_rng_split(scan(), "quant") == ("scan", want), split
+def test_a_linen_transforms_arguments_are_read_off_the_lifted_module():
+    def split(lifted, rng="quant"):
+        return linen_filter_value(linen_lifted(lifted)[1]["split_rngs"], rng)
+
+    for rngs, want in [({"params": True, "quant": True}, True),
+                       ({"params": True, "quant": False}, False),
+                       ({"params": True}, None), ({True: False}, False)]:
+        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs=rngs, length=2)
+        assert linen_lifted(scan())[0] == "scan" and split(scan()) is want, rngs
+    scan = nn.scan(Block, variable_axes={"params": 1, ("probes", "stats"): 0}, length=5)
+    kind, args = linen_lifted(scan())
+    assert (args["length"], linen_filter_value(args["variable_axes"], "params"),
+            linen_filter_value(args["variable_axes"], "stats"),
+            linen_filter_value(args["variable_axes"], "other")) == (5, 1, 0, None)
     vmap = nn.vmap(Block, variable_axes={"params": 0}, split_rngs={"quant": False},
                    in_axes=(0, None))
-    assert linen_lifted_rng_split(vmap(), "quant") == ("vmap", False)
-    assert linen_lifted_rng_split(Block(), "quant") is None
-    assert linen_lifted_rng_split(nn.remat(Block)(), "quant") is None
+    assert linen_lifted(vmap())[0] == "vmap" and split(vmap()) is False
+    assert linen_lifted(vmap())[1]["axis_size"] is None
+    assert linen_lifted(Block()) is None
+    assert linen_lifted(nn.remat(Block)()) is None
 
 
 def test_a_linen_einsums_bias_shape():
