@@ -14,12 +14,15 @@ pass: recipe and compute dtype per GEMM), written in ``--layout``:
 * ``mxfp4`` is refused: gpt-oss's MXFP4 safetensors are loaded by transformers and vLLM for
   MoE expert stacks only, and the hybrid LM has none (llama.cpp's MXFP4 is in ``gguf``).
 
-The multi-token-prediction head is left out, and the command says so. A model with an option
-the engine cannot compute (``residual_gate``, ``residual_format``, ...) is refused, naming
-it, before anything is written; ``--gguf-arch fp4lab`` then writes its tensors under fp4lab's
-names, a file llama.cpp's gguf tools read but no engine runs as a model (the command says that
-too). A mistake (an ``--out`` of the wrong kind, a missing run, the ``export`` extra not
-installed) is one line. docs/export.md describes every layout.
+The multi-token-prediction head is left out, and the command says so; it also says so of a
+``--policy`` that says something else than the policy the run trained under: that export is
+a post-training quantization (PTQ) of the run's weights, not what its training made. A model
+with an option the engine cannot compute (``residual_gate``, ``residual_format``, ...) is
+refused, naming it, before anything is written; ``--gguf-arch fp4lab`` then writes its
+tensors under fp4lab's names, a file llama.cpp's gguf tools read but no engine runs as a
+model (the command says that too). A mistake (an ``--out`` of the wrong kind, a missing or
+damaged run, the ``export`` extra not installed) is one line. docs/export.md describes every
+layout.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from fp4lab import export as fp4lab_export
 from fp4lab.flax import quantize_model
 from fp4lab.policy import policy_to_dict
 
-__all__ = ["export_run", "validation_logits", "validation_loss", "with_weights", "main",
-           "GGUF_ARCHS"]
+__all__ = ["export_run", "ptq_note", "validation_logits", "validation_loss", "with_weights",
+           "main", "GGUF_ARCHS"]
 
 GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
 # what the command writes: llama.cpp's nemotron_h GGUF; NemotronHForCausalLM folders in BF16,
@@ -64,6 +67,19 @@ def export_run(workdir, layout: str, out, *, policy: str | None = None,
     with ``gguf_arch="fp4lab"`` the tensors under fp4lab's names, which no engine runs as a
     model. Returns the path."""
     return _export(load_run(workdir), layout, out, policy=policy, gguf_arch=gguf_arch)
+
+
+def ptq_note(run, policy: str) -> str | None:
+    """The line that says an export of ``run`` under ``policy`` is a post-training
+    quantization, when ``policy`` says something else than the policy the run trained
+    under (policies are told apart by what they say, :func:`experiments.policies.fingerprint`,
+    not by name); None when it says the same."""
+    trained = run.config.precision.policy
+    if policies.fingerprint(policies.get(policy)) == policies.fingerprint(policies.get(trained)):
+        return None
+    return (f"note: run {run.workdir.name!r} was trained under policy {trained!r}; exporting "
+            f"it under policy {policy!r} is a post-training quantization (PTQ) of its "
+            "weights, not the result of training under that policy (QAT)")
 
 
 def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
@@ -180,6 +196,10 @@ def main(argv=None) -> int:
     from experiments.step import model_config
 
     run = load_run(args.run)
+    if args.policy is not None and args.layout != "bf16":
+        note = ptq_note(run, args.policy)
+        if note:
+            print(note)
     try:
         path = _export(run, args.layout, args.out, policy=args.policy,
                        gguf_arch=args.gguf_arch)

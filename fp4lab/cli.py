@@ -114,15 +114,62 @@ def load_tensors(path: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"tensor file {path!r} does not exist")
     base = os.path.basename(path)
     if path.endswith(".npy"):
-        return {base: _known_dtype(np.load(path), base)}
+        return {base: _known_dtype(_read_npy(path), base)}
     if path.endswith(".npz"):
+        arrays = _read_npz(path, name)
+        return {f"{base}:{k}": _known_dtype(x, f"{base}:{k}") for k, x in arrays.items()}
+    raise ValueError(f"unsupported tensor file {path!r}: use .npy or .npz")
+
+
+_NPZ = "a valid .npz file (a zip archive of .npy arrays, as numpy.savez writes)"
+_NPY = "a valid .npy file (one array, as numpy.save writes)"
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _not_zip(path: str) -> str:
+    """Why ``path``, named ``.npz``, is no zip archive: what its first bytes say it is."""
+    with open(path, "rb") as f:
+        head = f.read(len(_NPY_MAGIC))
+    if not head:
+        return "it is empty (0 bytes)"
+    if head == _NPY_MAGIC:
+        return "it holds a single .npy array, not named arrays"
+    if head.startswith(b"PK"):
+        return "it begins as a zip archive but is cut short or damaged (no zip directory)"
+    return f"it is not a zip archive ({os.path.getsize(path)} bytes of something else)"
+
+
+def _read_npz(path: str, name: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` file ``path`` (every one, or ``name``). A file that is not
+    one (cut short, empty, another format under the name) is a ValueError naming it, where
+    NumPy and zipfile would raise ``BadZipFile``, ``EOFError`` or a word about pickles."""
+    import zipfile
+    import zlib
+
+    if not zipfile.is_zipfile(path):  # what np.load would try next is unpickling it
+        raise ValueError(f"{path!r} is not {_NPZ}: {_not_zip(path)}")
+    try:
         with np.load(path) as z:
             keys = [name] if name else list(z.keys())
             missing = [k for k in keys if k not in z]
             if missing:
                 raise KeyError(f"{missing[0]!r} not in {path}; it holds {sorted(z.keys())}")
-            return {f"{base}:{k}": _known_dtype(z[k], f"{base}:{k}") for k in keys}
-    raise ValueError(f"unsupported tensor file {path!r}: use .npy or .npz")
+            return {k: z[k] for k in keys}
+    except (zipfile.BadZipFile, EOFError, zlib.error, ValueError) as e:  # a damaged member
+        raise ValueError(f"{path!r} is not {_NPZ}: {e}") from None
+
+
+def _read_npy(path: str) -> np.ndarray:
+    """The array of the ``.npy`` file ``path``; one that is not (see :func:`_read_npz`) is a
+    ValueError naming it."""
+    try:
+        x = np.load(path)
+    except (EOFError, ValueError) as e:
+        raise ValueError(f"{path!r} is not {_NPY}: {e}") from None
+    if not isinstance(x, np.ndarray):  # np.load opened a zip archive
+        x.close()
+        raise ValueError(f"{path!r} is not {_NPY}: it is a zip archive (.npz); name it .npz")
+    return x
 
 
 def _known_dtype(x: np.ndarray, name: str) -> np.ndarray:
@@ -269,8 +316,7 @@ def load_params(path: str) -> dict:
 
         flat = read_safetensors(path)[0]
     elif path.endswith(".npz"):
-        with np.load(path) as z:
-            flat = {k: _known_dtype(z[k], k) for k in z.keys()}
+        flat = {k: _known_dtype(x, k) for k, x in _read_npz(path).items()}
     else:
         raise ValueError(f"unsupported parameter file {path!r}: use .npz or .safetensors")
     tree: dict = {}

@@ -132,6 +132,43 @@ def test_export_path_errors_are_one_line(tmp_path, capsys):
     assert "is truncated or corrupt" in capsys.readouterr().err
 
 
+def test_a_parameter_file_that_is_not_an_npz_is_one_line_naming_it(tmp_path, capsys):
+    """A user's report: a file that is not a zip archive given as the .npz parameter file
+    ended ``fp4lab export`` in zipfile's ``BadZipFile`` traceback (NumPy's pickle or EOF
+    errors for others); it is one line naming the file and saying what it is not."""
+    np.savez(tmp_path / "p.npz", **{"l/kernel": np.ones((64, 8), np.float32)})
+    whole = (tmp_path / "p.npz").read_bytes()
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2] ^= 0xFF  # a byte of the array changed: the member's CRC fails
+    np.save(tmp_path / "a.npy", np.ones(3, np.float32))
+    files = {
+        "cut.npz": (whole[:len(whole) // 2], "begins as a zip archive but is cut short"),
+        "text.npz": (b"not a zip archive\n" * 4, "it is not a zip archive"),
+        "empty.npz": (b"", "it is empty (0 bytes)"),
+        "array.npz": ((tmp_path / "a.npy").read_bytes(), "holds a single .npy array"),
+        "crc.npz": (bytes(damaged), "Bad CRC-32"),
+    }
+    for name, (content, why) in files.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        assert cli.main(["export", str(path), "--policy", "nvfp4", "--layout", "gguf",
+                         "--out", str(tmp_path / "m.gguf")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fp4lab: error: {str(path)!r} is not a valid .npz file")
+        assert why in err and err.count("\n") == 1, err
+        # fp4lab compare reads .npz files the same way
+        assert cli.main(["compare", "--only-files", "--tensor", str(path)]) == 2
+        assert capsys.readouterr().err == err
+    assert not (tmp_path / "m.gguf").exists()
+    (tmp_path / "zip.npy").write_bytes(whole)
+    (tmp_path / "text.npy").write_bytes(b"not an array\n")
+    for name, why in (("zip.npy", "it is a zip archive (.npz); name it .npz"),
+                      ("text.npy", "is not a valid .npy file")):
+        assert cli.main(["compare", "--only-files", "--tensor", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / name) in err and why in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("missing, layout", [("gguf", "gguf"), ("safetensors", "mxfp4")])
 def test_a_missing_export_dependency_names_the_extra(tmp_path, capsys, monkeypatch, missing,
                                                      layout):
