@@ -13,17 +13,28 @@ as layers of kind ``densegeneral`` under their own paths (``decoder/layers/mlp/w
 MaxText is an optional dependency: ``import fp4lab`` never imports this module, and this
 module imports MaxText only when it runs (``pip install maxtext==0.2.5`` and its CPU
 imports: ``sh scripts/maxtext-venv`` builds that environment).
+
+fp4lab's refusals print as one line, ``error: <message>`` on stderr with exit status 1,
+whether the command line refuses them or MaxText's model build does (a policy whose depth
+rule splits blocks stacked for a scan, an OutControl recipe, ``quantization=`` beside a
+policy). The rule (:func:`is_refusal`): a refusal is a ``ValueError``, ``FileNotFoundError``
+or ``ImportError`` that a ``raise`` statement in fp4lab's own source raised. Anything else is
+a crash and keeps its traceback: any other exception type, and these types raised by JAX,
+NumPy, MaxText or Python itself, also when fp4lab called them (JAX's traceback filtering can
+leave an fp4lab frame innermost, but stopped at a call, not at a ``raise``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import dis
+import os
 import sys
 
 from fp4lab.policy import PrecisionPolicy, get_policy
 
 __all__ = ["KEYS", "Options", "split_args", "install", "quantize", "main", "probe_metrics",
-           "probe_scalars"]
+           "probe_scalars", "is_refusal"]
 
 INSTALL = "sh scripts/maxtext-venv (or: pip install maxtext==0.2.5 and its CPU imports)"
 
@@ -134,8 +145,9 @@ def quantize(model, config, options: Options):
     if not isinstance(model, nnx.Module):
         raise ValueError("fp4lab.maxtext quantizes MaxText's NNX model; this MaxText built "
                          f"a {type(model).__name__}")
-    if config.quantization:
-        raise ValueError(f"quantization={config.quantization!r} (MaxText's own quantization) "
+    if config.quantization:  # MaxText's QuantizationType enum: its value is what was typed
+        given = getattr(config.quantization, "value", config.quantization)
+        raise ValueError(f"quantization={given!r} (MaxText's own quantization) "
                          f"and fp4lab.policy={options.policy!r} would both quantize the "
                          "GEMMs: drop one")
     shape = (config.micro_batch_size_to_train_on, config.max_target_length)
@@ -227,21 +239,58 @@ def _config_path(arg: str) -> str:
     return bundled
 
 
+REFUSALS = (ValueError, FileNotFoundError, ImportError)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # fp4lab/
+
+
+def is_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is one of fp4lab's own refusals of its input, which :func:`main` prints
+    as one line: one of :data:`REFUSALS` that a ``raise`` statement in fp4lab's source raised
+    (the innermost frame of its traceback is in the ``fp4lab`` package, stopped at a
+    ``RAISE_VARARGS``). An error of JAX, NumPy or MaxText is not one, also where fp4lab called
+    it and JAX's traceback filtering removed the frames below fp4lab's call."""
+    if not isinstance(e, REFUSALS) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if not os.path.abspath(code.co_filename).startswith(_PACKAGE):
+        return False
+    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" and i.arg
+               for i in dis.get_instructions(code))
+
+
+def _exit(e: BaseException):
+    """Exit with refusal ``e`` as one line, ``error: <message>``, status 1."""
+    message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    sys.exit(f"error: {message}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m fp4lab.maxtext <base.yml> key=value ... fp4lab.policy=...``: MaxText's
-    pre-training trainer (``maxtext.trainers.pre_train.train``) under the policy."""
+    pre-training trainer (``maxtext.trainers.pre_train.train``) under the policy. fp4lab's
+    refusals, from the command line or from the model's build, exit as one line
+    (:func:`is_refusal`)."""
     argv = sys.argv if argv is None else argv
     try:
         rest, options = split_args(argv[1:])
         install(options)
         if rest:
             rest[0] = _config_path(rest[0])
-    except (ValueError, ImportError) as e:
-        sys.exit(f"error: {e}")
+    except REFUSALS as e:
+        if not is_refusal(e):
+            raise
+        _exit(e)
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    app.run(train.main, argv=[argv[0], *rest])
+    try:
+        app.run(train.main, argv=[argv[0], *rest])
+    except REFUSALS as e:
+        if not is_refusal(e):
+            raise
+        _exit(e)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,8 @@ def test_all_bf16_is_maxtexts_unquantized_model_and_nvfp4_trains(maxtext_python,
 def test_nemotron3_keeps_its_bf16_layers_in_maxtext(maxtext_python, tmp_path):
     """The preset means in MaxText what it means on the hybrid LM: attention projections,
     the last 15 % of the blocks and the logits layer in BF16. Its depth rule needs unstacked
-    layers; on scanned ones it is refused, naming scan_layers=False."""
+    layers; on scanned ones it is refused, naming scan_layers=False
+    (test_refusals_of_the_models_build_are_one_line)."""
     run = train(maxtext_python, tmp_path, "nemotron3", "steps=2", "scan_layers=False",
                 "fp4lab.policy=nemotron3")
     recipes = {path: recipe for path, (_, recipe) in table(run.stdout).items()}
@@ -135,11 +136,84 @@ def test_nemotron3_keeps_its_bf16_layers_in_maxtext(maxtext_python, tmp_path):
     assert recipes["decoder/layers_1/mlp/wo"] == "bf16"  # the last 15 % of 2 blocks
     assert recipes["decoder/logits_dense"] == "bf16"
     assert np.all(np.isfinite(losses(tmp_path, "nemotron3")))
-    refused = train(maxtext_python, tmp_path, "scanned", "steps=1", "fp4lab.policy=nemotron3",
-                    check=False)
-    assert refused.returncode != 0
-    assert "blocks stacked for a scan" in refused.stderr and "scan_layers=False" in \
-        refused.stderr
+
+
+def refusal(run: subprocess.CompletedProcess) -> str:
+    """The one line of a refusal: stderr's last line ``error: ...`` (after MaxText's own
+    logging), exit status 1, no traceback and no JAX traceback note anywhere, the message
+    printed once."""
+    assert run.returncode == 1, run.stderr[-6000:]
+    assert "Traceback" not in run.stderr and "JAX has removed" not in run.stderr, \
+        run.stderr[-6000:]
+    line = run.stderr.rstrip("\n").splitlines()[-1]
+    assert line.startswith("error: ") and run.stderr.count(line.removeprefix("error: ")) == 1
+    return line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, says", [
+    (["scan_layers=True", "fp4lab.policy=nemotron3"],
+     ["policy nemotron3: decoder/layers/mlp/wi_0 is 2 blocks stacked for a scan",
+      "(0: nvfp4, 1: bf16)", "scan_layers=False"]),
+    (["fp4lab.policy=all:tetrajet_v2_outcontrol"],
+     ["recipe tetrajet_v2_outcontrol has OutControl", "use the Linen integration"]),
+    (["quantization=int8", "fp4lab.policy=all:nvfp4"],
+     ["quantization='int8' (MaxText's own quantization) and fp4lab.policy='all:nvfp4'",
+      "drop one"]),
+    (["fp4lab.policy=file:missing.json"],  # refused on the command line, before MaxText
+     ["policy file 'missing.json' does not exist"]),
+], ids=["nemotron3-scanned", "outcontrol", "quantization", "policy-file"])
+def test_refusals_of_the_models_build_are_one_line(maxtext_python, tmp_path, args, says):
+    """What fp4lab refuses while MaxText builds the model prints as the command line's
+    refusals do (fp4lab.maxtext.is_refusal): one line naming the value, no traceback."""
+    line = refusal(train(maxtext_python, tmp_path, "refused", "steps=1", *args, check=False))
+    for text in says:
+        assert text in line, line
+    assert not (tmp_path / "refused.jsonl").exists()  # refused before any step
+
+
+@pytest.mark.slow
+def test_maxtexts_own_errors_keep_their_traceback(maxtext_python, tmp_path):
+    """A ValueError that is not fp4lab's (MaxText's config validation, a pydantic
+    ValidationError) is no refusal: it crashes with its traceback, as MaxText prints it."""
+    run = train(maxtext_python, tmp_path, "bogus", "steps=1", "quantization=bogus",
+                "fp4lab.policy=all:nvfp4", check=False)
+    assert run.returncode == 1 and "Traceback" in run.stderr
+    assert "ValidationError" in run.stderr and "input_value='bogus'" in run.stderr
+    assert not any(line.startswith("error: ") for line in run.stderr.splitlines())
+
+
+def test_only_a_raise_in_fp4lab_is_a_refusal():
+    """fp4lab.maxtext's rule: a ValueError (FileNotFoundError, ImportError) raised by a
+    ``raise`` in fp4lab's source is a refusal, also inside a JAX trace; the same types raised
+    by JAX (under jit too, where JAX filters the traceback), and other types raised by
+    fp4lab, are not."""
+    import jax.numpy as jnp
+
+    from fp4lab.flax.nnx import register_layer
+    from fp4lab.maxtext import is_refusal
+    from fp4lab.policy import get_policy
+    from fp4lab.qdot import qdot_general
+    from fp4lab.quantize import straight_through
+
+    def caught(f):
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001 - the exception is the result
+            return e
+        raise AssertionError("no exception")
+
+    assert is_refusal(caught(lambda: get_policy("nvfp5")))
+    assert is_refusal(caught(lambda: get_policy("file:missing.json")))  # FileNotFoundError
+    assert is_refusal(caught(lambda: jax.jit(straight_through)(jnp.ones(4), jnp.ones(3))))
+    dims = (((1,), (0,)), ((), ()))
+    assert is_refusal(caught(lambda: jax.jit(lambda a, b: qdot_general(a, b, dims, "bf16"))(
+        jnp.ones((4, 16)), jnp.ones((15, 4)))))  # "lhs axis 1 (size 16) and rhs axis 0 ..."
+    assert not is_refusal(caught(lambda: jnp.broadcast_to(jnp.ones(3), (4,))))
+    assert not is_refusal(caught(lambda: jax.jit(lambda x: jnp.broadcast_to(x, (4,)))(
+        jnp.ones(3))))
+    assert not is_refusal(caught(lambda: register_layer(int, "dense")))  # TypeError
+    assert not is_refusal(ValueError("never raised"))
 
 
 COUNTS = """
