@@ -32,9 +32,11 @@ from experiments import policies, runinfo
 from experiments.cli import command
 from experiments.configs import POLICY_HASH, config_changes, format_changes
 from experiments.data import Batch, TextData, load_data
+from experiments.memory import check_memory
 from experiments.model import HybridLM
 from experiments.probes import probe_records, summarize_probes, underflow_by_kind
 from experiments.records import RunRecords, read_jsonl
+from experiments.runs import read_run_json, restore_checkpoint
 from experiments.step import (GradReduce, OutControlSchedule, TrainState, channel_norms_zeros,
                               make_eval, make_optimizer, make_step,
                               model_config)
@@ -42,10 +44,10 @@ from fp4lab import osci_reset
 from fp4lab.flax import quantize_model
 from fp4lab.policy import PrecisionPolicy, policy_to_dict
 
-__all__ = ["train", "main", "check_config", "check_data", "resolve_policy", "config_record",
-           "stored_changes", "describe_changes", "restore_params", "TrainingDiverged",
-           "TrainingInterrupted", "TrainState", "make_optimizer", "make_step", "model_config",
-           "read_jsonl"]
+__all__ = ["train", "main", "initialize_distributed", "check_config", "check_data",
+           "resolve_policy", "config_record", "stored_changes", "describe_changes",
+           "restore_params", "TrainingDiverged", "TrainingInterrupted", "TrainState",
+           "make_optimizer", "make_step", "model_config", "read_jsonl"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -144,8 +146,10 @@ def check_config(config):
 
 def check_data(config, data: TextData, n_devices: int):
     """What the config asks of the data and the devices: ValueError if ``data.batch_size``
-    does not split over ``n_devices`` or a split of ``data`` holds no more than
-    ``data.seq_len + 2`` tokens."""
+    does not split over ``n_devices``, a split of ``data`` holds no more than
+    ``data.seq_len + 2`` tokens, or the training step would need more memory than the
+    machine has (an estimate: :func:`experiments.memory.check_memory`), before the model is
+    initialized or compiled."""
     d = config.data
     if d.batch_size % n_devices:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by the "
@@ -154,6 +158,7 @@ def check_data(config, data: TextData, n_devices: int):
     if min(data.train.size, data.val.size) <= need:
         raise ValueError(f"data.seq_len={d.seq_len} does not fit the corpus ({data.train.size} "
                          f"train / {data.val.size} validation tokens)")
+    check_memory(config, model_config(config, data), n_devices)
 
 
 def _grad_reduce(config) -> GradReduce | None:
@@ -214,7 +219,7 @@ def stored_changes(workdir, record: dict, data: TextData) -> dict[str, tuple] | 
     path = Path(workdir) / "config.json"
     if not path.exists():
         return None
-    stored = json.loads(path.read_text())
+    stored = read_run_json(workdir, "config.json")  # damaged: one line naming it
     precision, model = stored["precision"], stored["model"]
     if "policy_sha256" not in precision:
         model["vocab"] = max(model["vocab"], data.vocab_size)
@@ -402,15 +407,20 @@ class _Checkpoints:
         self.manager.wait_until_finished()
 
     def restore(self, like: TrainState) -> TrainState:
+        """The latest checkpoint (damaged files: one line, ``runs.restore_checkpoint``)."""
         abstract = jax.tree.map(self._ocp.utils.to_shape_dtype_struct, like)
-        return self.manager.restore(self.latest(), args=self._ocp.args.StandardRestore(abstract))
+        step = self.latest()
+        return restore_checkpoint(self.dir.parent, step, lambda: self.manager.restore(
+            step, args=self._ocp.args.StandardRestore(abstract)))
 
     def restore_params(self, like: dict) -> dict:
         """The latest checkpoint's ``TrainState.params`` alone (see :func:`restore_params`)."""
         ocp, device = self._ocp, jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device), like)
-        return self.manager.restore(self.latest(), args=ocp.args.PyTreeRestore(
-            item={"params": like}, restore_args={"params": args}, partial_restore=True))["params"]
+        step = self.latest()
+        return restore_checkpoint(self.dir.parent, step, lambda: self.manager.restore(
+            step, args=ocp.args.PyTreeRestore(item={"params": like}, restore_args={
+                "params": args}, partial_restore=True)))["params"]
 
     def remove_partial(self):
         """What an interrupted save may have left behind."""
@@ -461,12 +471,108 @@ def _resume(ckpt: _Checkpoints, records: RunRecords, setup: _Setup, config,
     return state
 
 
+# ----------------------------------------------------------------------------- processes
+
+# How long a process of a multi-process run waits for the others (to start and connect, to
+# reach a barrier) before it fails: ``--distributed-timeout``, initialize_distributed().
+DISTRIBUTED_TIMEOUT_S = 300
+_distributed = {"timeout_s": DISTRIBUTED_TIMEOUT_S, "connected": False, "barriers": 0}
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *,
+                           timeout_s: float = DISTRIBUTED_TIMEOUT_S):
+    """Join the processes of a multi-process run (``jax.distributed.initialize``; the
+    arguments not given are auto-detected by JAX) before JAX touches a device, then connect
+    their CPU collectives (:func:`_connect_collectives`).
+
+    ``timeout_s`` bounds every wait for a peer that this module controls: the connection
+    (``initialization_timeout``: a process that starts late), the exchange of the devices'
+    topology when the backend starts, and the barriers of :func:`train` (a peer still
+    loading, restoring or compiling). Waits inside a collective are XLA's own (30 minutes
+    on CPU, ``--xla_cpu_collective_timeout_seconds``), except gloo's connection of a new
+    group of devices (and its reduce-scatter, which no program of a run has), fixed at 30 s
+    in this jaxlib (gloo's default context timeout, which XLA does not set): hence the
+    connection of the run's groups up front, with every process at the same point."""
+    timeout_s = float(timeout_s)
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"the distributed timeout must be a positive number of seconds, "
+                         f"not {timeout_s}")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id,
+                               initialization_timeout=max(1, math.ceil(timeout_s)))
+    # the CPU backend's topology exchange when it starts (next): JAX's defaults are 2 and 5
+    # minutes, the global one must be the longer
+    minutes = max(1, math.ceil(timeout_s / 60))
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", max(2, minutes))
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", max(5, minutes + 1))
+    _distributed["timeout_s"] = timeout_s
+    _connect_collectives()
+
+
+def _client():
+    """The coordination service's client of ``jax.distributed`` (None without it)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _barrier(name: str):
+    """Every process waits here for the others, through the coordination service (not a
+    collective): up to the distributed timeout, then an error naming the barrier."""
+    _distributed["barriers"] += 1  # every process passes the same barriers in the same order
+    key = f"experiments.train:{name}:{_distributed['barriers']}"
+    _client().wait_at_barrier(key, max(1, int(_distributed["timeout_s"] * 1000)))
+
+
+def _connect_collectives():
+    """Connect the CPU collectives of the groups of devices a multi-process run uses, every
+    process at the same point (once per process; one process or another platform: no-op).
+
+    XLA connects gloo's TCP mesh of a group of devices on the first collective that uses it,
+    and gloo gives every peer 30 s to arrive (``DEADLINE_EXCEEDED: GetKeyValue() timed
+    out``), a limit no option of this jaxlib changes. A peer that reaches its first step
+    later than that (compiling on a loaded machine, restoring, process 0 writing the files)
+    made the others fail. So each group is connected here by a tiny psum, compiled first and
+    run after a barrier (:func:`_barrier`, the distributed timeout), which every process
+    leaves together: later collectives on a connected group wait for a late peer as long as
+    XLA's collective timeout. The groups: all devices in ``jax.devices()`` order (the run's
+    ``data`` mesh, :class:`_Placement`: its steps' and evaluations' all-reduces), and each
+    local device's index across the processes (``multihost_utils``' mesh
+    ``[processes, local devices]``, which its process_allgather and orbax's barriers use)."""
+    if (_distributed["connected"] or jax.process_count() == 1
+            or jax.default_backend() != "cpu" or _client() is None):
+        return
+    devices = np.array(jax.devices())
+    programs = []
+    for mesh, axis in ((Mesh(devices, ("data",)), "data"),
+                       (Mesh(devices.reshape(jax.process_count(), jax.local_device_count()),
+                             ("processes", "local")), "processes")):
+        spec = P(*mesh.axis_names)
+        ones = np.ones(mesh.devices.shape, np.int32)
+        x = jax.make_array_from_callback(ones.shape, NamedSharding(mesh, spec),
+                                         lambda index: ones[index])
+        psum = jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh, in_specs=spec,
+                             out_specs=spec)
+        programs.append((jax.jit(psum).lower(x).compile(), x, mesh.shape[axis]))
+    _barrier("connect")
+    for program, x, size in programs:
+        if not all((np.asarray(s.data) == size).all() for s in program(x).addressable_shards):
+            raise RuntimeError(f"connecting the CPU collectives: a psum of ones over {size} "
+                               "devices did not give the device count")
+    _distributed["connected"] = True
+
+
 def _sync(name: str):
     """The processes of a multi-process run wait here for each other (one: no-op)."""
-    if jax.process_count() > 1:
+    if jax.process_count() == 1:
+        return
+    if _client() is None:  # a cluster without jax.distributed's service
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"experiments.train:{name}")
+    else:
+        _barrier(name)
 
 
 def _start_run_info(records: RunRecords, record: dict, start: int) -> dict:
@@ -475,7 +581,7 @@ def _start_run_info(records: RunRecords, record: dict, start: int) -> dict:
     earlier = []
     path = records.out / "run_info.json"
     if start and records.write and path.exists():
-        old = json.loads(path.read_text())
+        old = read_run_json(records.out, "run_info.json")
         earlier = old.pop("earlier", []) + [{k: v for k, v in old.items() if k != "config"}]
     info = runinfo.collect(record, start_step=start, earlier=earlier)
     records.write_run_info(info)
@@ -734,6 +840,7 @@ def train(config, workdir, *, data: TextData | None = None, progress: bool = Tru
                                  "folder (a new one, or the run's to resume it)")
     if config.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.compile_cache).resolve()))
+    _connect_collectives()  # (jax.distributed initialized by the caller: done here, once)
     setup = _build(config, data)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = _Checkpoints(workdir)
@@ -784,6 +891,10 @@ def _parser(default: str):
                     help="with --distributed: the number of processes")
     ap.add_argument("--process-id", type=int, metavar="I",
                     help="with --distributed: this process's index, 0 to N-1")
+    ap.add_argument("--distributed-timeout", type=float, metavar="SECONDS",
+                    help="with --distributed: how long a process waits for the others (to "
+                         "start and connect, at the run's barriers: a peer still loading or "
+                         f"compiling) before it fails; default {DISTRIBUTED_TIMEOUT_S}")
     ap.add_argument("--allow-changes", default="", metavar="KEYS",
                     help="comma-separated config keys or sections (train.steps, train) that "
                          "may differ from the run in --workdir: continue it with the new "
@@ -793,15 +904,22 @@ def _parser(default: str):
 
 
 def _initialize_distributed(args, ap):
-    """``--distributed``: join the processes of the run before JAX touches a device (the
-    options not given are auto-detected by JAX; on CPU its collectives use gloo)."""
-    given = [args.coordinator, args.num_processes, args.process_id]
+    """``--distributed``: join the processes of the run before JAX touches a device
+    (:func:`initialize_distributed`; the options not given are auto-detected by JAX; on CPU
+    its collectives use gloo)."""
+    given = [args.coordinator, args.num_processes, args.process_id, args.distributed_timeout]
     if not args.distributed:
         if any(v is not None for v in given):
-            ap.error("--coordinator, --num-processes and --process-id need --distributed")
+            ap.error("--coordinator, --num-processes, --process-id and --distributed-timeout "
+                     "need --distributed")
         return
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
+    timeout_s = DISTRIBUTED_TIMEOUT_S if args.distributed_timeout is None else \
+        args.distributed_timeout
+    if not 0 < timeout_s < math.inf:
+        ap.error(f"--distributed-timeout must be a positive number of seconds, not "
+                 f"{timeout_s:g}")
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                           timeout_s=timeout_s)
 
 
 @command

@@ -1,8 +1,9 @@
 """experiments.train --distributed, for real: two CPU processes on this machine (a local
-coordinator, gloo collectives, two simulated devices each) train the tiny config, stop on a
-Ctrl-C that reached only one of them, resume, and end bit-identical to one process with the
-same four devices and the same (gloo) collectives (docs/experiments.md, "Multi-process
-runs", says how a plain run with XLA's in-process collectives differs)."""
+coordinator, gloo collectives, two simulated devices each) train the tiny config (one of them
+reaching its first step 40 s after the other), stop on a Ctrl-C that reached only one of
+them, resume, and end bit-identical to one process with the same four devices and the same
+(gloo) collectives (docs/experiments.md, "Multi-process runs", says how a plain run with
+XLA's in-process collectives differs)."""
 
 import json
 import os
@@ -19,23 +20,40 @@ import pytest
 from experiments.records import read_jsonl
 
 ROOT = Path(__file__).parents[2]
-TIMEOUT_S = 240  # for the whole test: every process left after it is killed
+# How long a process waits for its peers (--distributed-timeout): generous, since on a loaded
+# 2-core machine (CI) three training processes share the cores, and the cold compile of a
+# step alone can take a minute. A peer that never comes still fails the run, with its error,
+# within the test's own deadline, which is longer still.
+DISTRIBUTED_TIMEOUT_S = 600
+TIMEOUT_S = 900  # for the whole test: every process left after it is killed
+# gloo gives the peers of a group of devices 30 s to connect (experiments.train
+# _connect_collectives): process 1 of the first run builds its first step this much later
+# than process 0, which waits for it in the step's all-reduce (as for a peer that compiles
+# slowly); before the groups were connected up front, process 0 failed after 30 s
+# ("DEADLINE_EXCEEDED: GetKeyValue() timed out").
+LATE_STEP_S = 40
 
 # The training command line with a Ctrl-C before step 3 in process 0 only (delivered
 # synchronously to the handler the run installed, as in test_train): the processes must agree
-# to stop after the same step (the next log step, 4) and save that checkpoint together.
-INTERRUPTED = """
-import signal, sys
+# to stop after the same step (the next log step, 4) and save that checkpoint together. And
+# process 1 builds its first step LATE_STEP_S late.
+INTERRUPTED = f"""
+import signal, sys, time
 import jax
-from experiments import data
-from experiments.train import main
-real_batch = data.TextData.batch
+from experiments import data, train
+real_batch, real_make_step = data.TextData.batch, train.make_step
 def batch(self, seed, step, batch_size, seq_len):
     if step == 3 and jax.process_index() == 0:
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
     return real_batch(self, seed, step, batch_size, seq_len)
-data.TextData.batch = batch
-sys.exit(main(sys.argv[1:]))
+built = []
+def make_step(*args, **kwargs):
+    if jax.process_index() == 1 and not built:
+        time.sleep({LATE_STEP_S})
+    built.append(1)
+    return real_make_step(*args, **kwargs)
+data.TextData.batch, train.make_step = batch, make_step
+sys.exit(train.main(sys.argv[1:]))
 """
 
 
@@ -106,7 +124,8 @@ def train_args(workdir: Path, corpus_dir, cache: str) -> list[str]:
 
 def distributed(num_processes: int, process_id: int, port: int) -> list[str]:
     return ["--distributed", "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", str(num_processes), "--process-id", str(process_id)]
+            "--num-processes", str(num_processes), "--process-id", str(process_id),
+            "--distributed-timeout", str(DISTRIBUTED_TIMEOUT_S)]
 
 
 def step_lines(workdir: Path) -> list[dict]:
@@ -172,3 +191,20 @@ def test_two_processes_train_stop_and_resume_exactly_as_one(tmp_path, corpus_dir
     assert "--process-id" in info["command"]
     assert ref_result["run_info"]["process_count"] == 1
 
+
+
+def test_the_distributed_timeout_is_checked_before_anything_starts(tmp_path, capsys):
+    """--distributed-timeout needs --distributed and a positive number of seconds: a usage
+    error (exit status 2) before JAX joins or starts anything; the same in Python."""
+    from experiments.train import initialize_distributed, main
+
+    for argv, message in ((["--distributed-timeout", "600"], "need --distributed"),
+                          (["--distributed", "--distributed-timeout", "0"], "positive number"),
+                          (["--distributed", "--distributed-timeout", "inf"], "positive number")):
+        with pytest.raises(SystemExit) as e:
+            main(["--workdir", str(tmp_path / "run"), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        initialize_distributed("127.0.0.1:1", 2, 0, timeout_s=-1)
+    assert not (tmp_path / "run").exists()
