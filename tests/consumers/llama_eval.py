@@ -8,19 +8,25 @@ Each model is loaded in turn in this one process. ``TOKENS.npy`` holds int ``[wi
 length + 1]`` token ids. Each window is one sequence: ``llama_cpp.Llama`` (CPU,
 ``logits_all=True``, a context of the window's length, the KV cache in F32 so that K and V
 are not rounded to F16, flash attention off, one batch per window; the weights in their
-GGUF types, see :func:`_load`) starts from an empty state (attention cache and Mamba-2
-state cleared) and evaluates the first ``length`` ids. Each ``OUT.npz`` holds ``logits``
-(float32 ``[windows, length, vocab]``: the logits at every position), ``loss`` (the mean
-next-token negative log-likelihood of the last ``length`` ids, in float64 from the float32
-logits), ``n_vocab`` and, with ``--text``, ``tokens``: llama.cpp's tokenization of that
-text with the file's vocabulary (no BOS), and ``detokenized``, those ids turned back into
-bytes.
+GGUF types, loaded by ``experiments.serve.load``: :func:`_load`) starts from an empty state
+(attention cache and Mamba-2 state cleared) and evaluates the first ``length`` ids. Each
+``OUT.npz`` holds ``logits`` (float32 ``[windows, length, vocab]``: the logits at every
+position), ``loss`` (the mean next-token negative log-likelihood of the last ``length`` ids,
+in float64 from the float32 logits), ``n_vocab`` and, with ``--text``, ``tokens``:
+llama.cpp's tokenization of that text with the file's vocabulary (no BOS), and
+``detokenized``, those ids turned back into bytes.
 """
 
 import argparse
+import runpy
 import sys
+from pathlib import Path
 
 import numpy as np
+
+# experiments/serve.py run as a file: importing the experiments package needs fp4lab and JAX,
+# which this Python does not have (serve.py itself imports neither)
+SERVE = runpy.run_path(str(Path(__file__).resolve().parents[2] / "experiments" / "serve.py"))
 
 
 def evaluate(llm, windows: np.ndarray) -> tuple[np.ndarray, float]:
@@ -39,31 +45,15 @@ def evaluate(llm, windows: np.ndarray) -> tuple[np.ndarray, float]:
 
 
 def _load(model: str, length: int):
-    """``llama_cpp.Llama`` on the CPU with the weights in their GGUF types: llama.cpp's extra
-    buffer types (``use_extra_bufts``, llama-cli's ``--no-repack``: the weights repacked for
-    AMX or AVX2 tiles at load) are off. The Llama class sets no such option, so its
-    default model parameters are replaced while it loads. On an AMX CPU (Sapphire Rapids),
-    this llama.cpp's AMX matrix product crashes on the tiny model's Q4_0 weights
-    (SIGSEGV in ggml_backend_amx_mul_mat)."""
+    """``llama_cpp.Llama`` on the CPU with the weights in their GGUF types, as
+    ``python -m experiments.serve`` loads them (its ``load``: llama-cli's ``--no-repack``),
+    with every position's logits, a context of ``length``, one batch per window and the KV
+    cache in F32."""
     import llama_cpp
-    from llama_cpp import llama_cpp as capi
 
-    defaults = capi.llama_model_default_params
-
-    def plain():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    capi.llama_model_default_params = plain
-    try:
-        return llama_cpp.Llama(model_path=model, n_ctx=max(length, 8), n_batch=length,
-                               n_ubatch=length, logits_all=True, n_gpu_layers=0,
-                               n_threads=2, type_k=llama_cpp.GGML_TYPE_F32,
-                               type_v=llama_cpp.GGML_TYPE_F32,
-                               flash_attn=False, verbose=False)
-    finally:
-        capi.llama_model_default_params = defaults
+    return SERVE["load"](model, n_ctx=max(length, 8), n_batch=length, n_ubatch=length,
+                         logits_all=True, n_threads=2, type_k=llama_cpp.GGML_TYPE_F32,
+                         type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
 
 
 def main(argv: list[str]) -> None:
