@@ -239,6 +239,8 @@ FORMATS: dict[str, Format] = {
                "TetraJet-v2's double-block NVFP4: float32 outer scale per 128, E4M3 per 16"),
         _block("nvfp4_atw", E2M1, scaling.EncodeFactorE4M3Scale(), 16,
                "FP4 All the Way's NVFP4: the encode factor 6/bamax rounded to E4M3"),
+        _block("nvfp4_atw_sat", E2M1, scaling.EncodeFactorE4M3Scale(saturating_cast=True), 16,
+               "nvfp4_atw with PyTorch 2.13's saturating E4M3 cast (> 464 gives 448, not NaN)"),
         _block("mxfp8", E4M3, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),
         _block("mxfp8_e5m2", E5M2, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),
         _block("mxfp4", E2M1, scaling.PowerOfTwoScale(mode="rceil"), 32, _MX + " (RCEIL)"),

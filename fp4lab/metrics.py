@@ -11,6 +11,11 @@
   clipping: the values the element range clips. ``lowest`` is the least value the format's
   rounding gives, ``-max_elem`` except for GGML Q4_0, whose codes reach -8 (the block
   maximum's own code), so a block it represents exactly saturates nothing.
+* ``overflow``: ``count(x finite and x̂ not finite) / count(x finite)``: finite values the
+  format dequantizes to ±inf or NaN. NVFP4 (and Four Over Six) of a tensor whose amax is at
+  least ``FLT_MAX / 448`` (about 7.6e35) do that, as Transformer Engine's decode does: the
+  multiplier ``fl(s_b * amax)`` overflows, the block's nonzero values become ±inf and its zeros
+  NaN (docs/numerics.md); the error metrics are then inf/NaN, and this says why.
 * ``mse``: ``||x - x̂||² / n`` (absolute; the quantity TE's debug features threshold);
   ``rel_mse``: ``||x - x̂||² / ||x||²``; ``sqnr_db``: ``20 log10(||x|| / ||x - x̂||)`` (inf
   when exact).
@@ -50,7 +55,7 @@ from fp4lab.quantize import (check_amax_covers, check_arguments, dequantize_bloc
 __all__ = ["quant_metrics", "operand_metrics", "METRIC_NAMES", "error_metrics"]
 
 METRIC_NAMES = ("underflow", "underflow_all", "saturation", "mse", "rel_mse", "sqnr_db",
-                "bad_scales", "block_dynamic_range", "map4_share", "noise_ratio")
+                "bad_scales", "block_dynamic_range", "map4_share", "noise_ratio", "overflow")
 
 
 def _rate(count: jax.Array, total) -> jax.Array:
@@ -61,20 +66,24 @@ def _rate(count: jax.Array, total) -> jax.Array:
 
 
 def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
-    """Underflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x`` (float32).
+    """Underflow, overflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x``
+    (float32).
 
-    The underflow rates are exact counts and one rounding; the error sums are float32
+    The underflow and overflow rates are exact counts and one rounding; the error sums are float32
     reductions in the order XLA chooses, so they agree across backends to rounding, not to
     the bit (docs/numerics.md)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.float32)
     nonzero = x != 0
     flushed = jnp.sum(nonzero & (y == 0), dtype=jnp.int32)
+    finite = jnp.isfinite(x)
+    overflowed = jnp.sum(finite & ~jnp.isfinite(y), dtype=jnp.int32)
     signal = jnp.sum(jnp.square(x))
     noise = jnp.sum(jnp.square(x - y))
     return {
         "underflow": _rate(flushed, jnp.sum(nonzero, dtype=jnp.int32)),
         "underflow_all": _rate(flushed, jnp.int32(x.size)),
+        "overflow": _rate(overflowed, jnp.sum(finite, dtype=jnp.int32)),
         "mse": noise / max(x.size, 1),
         "rel_mse": noise / signal,
         "sqnr_db": 10.0 * (jnp.log10(signal) - jnp.log10(noise)),

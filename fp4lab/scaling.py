@@ -831,8 +831,16 @@ class EncodeFactorE4M3Scale(ScaleScheme):
     it): the per-block *encode* factor is what is rounded to E4M3::
 
         st = fl(amax * fl(1 / (6 * fp8_max)));  xs = fl(x / st)
-        sb = e4m3(fl(6 / max|xs|)) without saturation: 1 where that is 0, Inf or NaN (> 464)
+        sb = e4m3(fl(6 / max|xs|)): 1 where that is 0, Inf or NaN
         v  = fl(xs * sb);  q = nearest-even E2M1;  y = fl(fl(q / sb) * st)
+
+    ``e4m3()`` is PyTorch's ``.to(torch.float8_e4m3fn)``, whose overflow rule changed in
+    PyTorch 2.13 (pytorch/pytorch#178817): before, the eager cast gave NaN beyond 464 (a block
+    far below the tensor's amax, whose ``6 / max|xs|`` exceeds 464, falls back to ``sb = 1`` and
+    flushes to zero); from 2.13 it saturates at 448 (inf too), so such a block keeps its values
+    and an all-zero block stores 448. ``saturating_cast=False`` (format ``nvfp4_atw``) is the
+    rule of the PyTorch the paper ran on (2025); ``True`` (``nvfp4_atw_sat``) the authors' code
+    under PyTorch >= 2.13.
 
     Two deliberate departures, both in docs/numerics.md: the authors' rounding does not
     saturate (a block whose rounded-up subnormal ``sb`` gives ``v >= 7`` rounds to 8, off the
@@ -843,6 +851,7 @@ class EncodeFactorE4M3Scale(ScaleScheme):
     a zero result's sign is that of ``sign(x) * R``."""
 
     fp8_max: float = 448.0
+    saturating_cast: bool = False
 
     scale_dtype = "float8_e4m3fn"
     scale_name = "e4m3"
@@ -856,8 +865,10 @@ class EncodeFactorE4M3Scale(ScaleScheme):
     def encode(self, stat, tensor_amax, element):
         st = self._st(tensor_amax)
         f = rounding.div(F32(6), rounding.div(stat, st))
-        sb = _e4m3(f)  # torch's cast: nearest-even, 464 (a tie) to 448, beyond it NaN
-        ok = (f <= 464) & (sb.astype(jnp.float32) > 0)
+        sb = _e4m3(f)  # torch's cast: nearest-even, 464 (a tie) to 448 ...
+        ok = sb.astype(jnp.float32) > 0  # (0 and NaN: 1)
+        if not self.saturating_cast:  # ... beyond it NaN before PyTorch 2.13, hence 1
+            ok = ok & (f <= 464)
         sb = jnp.where(ok, sb, jnp.ones_like(sb))
         return sb, (st, sb.astype(jnp.float32))
 

@@ -153,9 +153,13 @@ def e4m3_rne_sat(v):
     return np.where(np.isnan(v), np.nan, np.copysign(q, v)).astype(F)
 
 
-def e4m3_torch(v):
-    """torch ``.to(torch.float8_e4m3fn)``: nearest-even, NOT saturating (beyond 464 -> NaN)."""
+def e4m3_torch(v, saturating: bool = False):
+    """torch ``.to(torch.float8_e4m3fn)``, nearest-even: before PyTorch 2.13 NOT saturating
+    (beyond 464, and +-inf, -> NaN); ``saturating``: PyTorch 2.13's eager cast
+    (pytorch/pytorch#178817), where every magnitude beyond 448, inf included, gives +-448."""
     v = np.asarray(v, F)
+    if saturating:
+        return e4m3_rne_sat(np.clip(v, F(-448), F(448)))  # clip keeps NaN
     q = e4m3_rne_sat(v).astype(np.float64)
     with np.errstate(invalid="ignore"):
         bad = (np.abs(v) > 464) | ~np.isfinite(v)
@@ -459,13 +463,14 @@ def fp4_121_positive(t, noise=None, *, saturate=True, A=None):
 
 
 def atw_nvfp4(x, u=None, *, saturate=True, guard_zero_tensor=True, ftz=False, block=16,
-              fp8_max=448.0):
+              fp8_max=448.0, saturating_cast=False):
     """FP4 All the Way's ``fake_quant_fp4(x, sr, block_size=16, scale_format='e4m3')``:
     st = fl(amax * fl(1/(6*fp8_max))), xs = fl(|x|/st), sb = e4m3_torch(fl(6/max xs)) (1 where
     that is 0, Inf or NaN), y = fl(fl(sign(x) * fl(R(fl(xs*sb))/sb)) * st) with torch.sign
     (0 for zeros); uniforms ``u``: SR with n = u - 0.5. fp4lab's two documented departures
     are the defaults: ``saturate`` (R at most 6; the authors' can give 8) and
     ``guard_zero_tensor`` (st = 1 where amax = 0; the authors' all-zero tensor is NaN).
+    ``saturating_cast``: the E4M3 cast of PyTorch >= 2.13 (:func:`e4m3_torch`).
     Returns (y, sb)."""
     A = _Arith(ftz)
     g = A.f(_blocks(x, block))
@@ -476,7 +481,7 @@ def atw_nvfp4(x, u=None, *, saturate=True, guard_zero_tensor=True, ftz=False, bl
     if guard_zero_tensor and st == 0:
         st = F(1)
     xs = A.div(a, st)
-    sb = e4m3_torch(A.div(F(6), _absmax(xs)))
+    sb = e4m3_torch(A.div(F(6), _absmax(xs)), saturating_cast)
     sb = np.where((sb > 0) & (sb < np.inf), sb, F(1)).astype(F)
     noise = None if u is None else A.sub(np.asarray(u, F).reshape(g.shape), F(0.5))
     r = fp4_121_positive(A.mul(xs, sb), noise, saturate=saturate, A=A)

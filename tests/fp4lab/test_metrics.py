@@ -162,3 +162,40 @@ def test_map4_share_counts_quartet_ii_blocks_mapped_to_4():
     got = float(quant_metrics(jnp.asarray(x), "nvfp4_quartet2_4over6")["map4_share"])
     assert 0.2 < want < 0.6 and got == want
     assert float(quant_metrics(jnp.asarray(x), "nvfp4_quartet2")["map4_share"]) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_4over6"])
+def test_a_huge_finite_amax_overflows_nvfp4s_decode_as_te_and_is_reported(fmt):
+    """amax >= FLT_MAX / 448 (~7.6e35): TE's decode multiplier ``fl(s_b * amax)`` overflows, the
+    top block's nonzero values dequantize to +-inf and its zeros to NaN; blocks with a small
+    enough scale stay finite. fp4lab follows TE bit for bit (the oracle is TE's formula) and
+    ``overflow`` counts the finite inputs that came back non-finite."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    x[0, :16] *= 1e36  # the first block reaches amax ~2e36
+    x[0, 3] = 0.0
+    x[0, 5] = -0.0
+    x[1, :16] = 0.0  # a zero block: scale byte 0, stays 0
+    quantize, dequantize = {
+        "nvfp4": (numpy_ref.nvfp4_quantize, numpy_ref.nvfp4_dequantize),
+        "nvfp4_4over6": (numpy_ref.nvfp4_4over6_quantize, numpy_ref.nvfp4_4over6_dequantize),
+    }[fmt]
+    want = dequantize(*quantize(x, ftz=True), ftz=True)
+    got = np.asarray(fp4lab.fake_quant(jnp.asarray(x), fmt))
+    np.testing.assert_array_equal(got.view(np.uint32) | (np.isnan(got) * 0xFFFFFFFF),
+                                  want.view(np.uint32) | (np.isnan(want) * 0xFFFFFFFF))
+    assert np.isinf(got[0, 0]) and np.isnan(got[0, 3]) and np.isnan(got[0, 5])
+    assert np.isfinite(got[1:]).all()  # other blocks' scales are small enough
+    m = quant_metrics(jnp.asarray(x), fmt)
+    assert float(m["overflow"]) == pytest.approx(np.mean(~np.isfinite(want)))
+    assert float(m["overflow"]) > 0 and not np.isfinite(float(m["mse"]))
+    for finite in ("mxfp4", "fp8_e4m3", "mxfp8"):  # their scales stay in range
+        assert float(quant_metrics(jnp.asarray(x), finite)["overflow"]) == 0.0
+    assert float(quant_metrics(jnp.asarray(x / 1e12), fmt)["overflow"]) == 0.0
+
+
+def test_overflow_counts_only_finite_inputs():
+    x = jnp.asarray([[np.inf, 1.0, np.nan, 3.4e38]], jnp.float32)
+    # bf16: inf and NaN are not counted; 3.4e38 rounds past BF16's largest value to inf
+    assert float(quant_metrics(x, "bf16")["overflow"]) == pytest.approx(1 / 2)
+    assert float(quant_metrics(jnp.ones((2, 16)), "nvfp4")["overflow"]) == 0.0

@@ -9,7 +9,9 @@ oracles of tests/recipe_oracles.py, bit for bit (uint32 views: -0/+0 count, all 
   eden_1x16s_fp4_kernel
 * nvfp4_double: thu-ml/TetraJet-v2-NVFP4Training @ ca5953f643d85c793fb3a210bf21f17fc88ce83e,
   kernels/csrc/quant_fp4.cu quant_fp4_from_reg
-* nvfp4_atw: FP4 All the Way, experimental/fp4.py fake_quant_fp4 (public copies; no commit)
+* nvfp4_atw, nvfp4_atw_sat: FP4 All the Way, experimental/fp4.py fake_quant_fp4 (public
+  copies; no commit), under PyTorch's E4M3 cast before 2.13 (NaN beyond 464) and from 2.13
+  (saturating)
 
 Stochastic rounding: the oracles take the uniforms fp4lab draws, ``uniform(key, (M, K//b,
 b))`` per element (``(M, K//16, 1)`` per scale for MS-EDEN). The hand-checked examples of
@@ -43,6 +45,7 @@ ORACLES = {  # format: (oracle, block, stochastic: "element" | "scale" | None)
     "nvfp4_eden": (ro.eden, 16, "scale"),
     "nvfp4_double": (ro.double_block, 16, "element"),
     "nvfp4_atw": (ro.atw_nvfp4, 16, "element"),
+    "nvfp4_atw_sat": (functools.partial(ro.atw_nvfp4, saturating_cast=True), 16, "element"),
 }
 FORMATS = list(ORACLES)
 STOCHASTIC = [f for f in FORMATS if ORACLES[f][2]]
@@ -182,7 +185,7 @@ def test_nearest_matches_the_oracle(fmt):
     the authors' arithmetic (Quartet @ 00ccd38, Quartet-II @ 8776a90, TetraJet-v2 @ ca5953f,
     FP4 All the Way experimental/fp4.py) bit for bit, and the stored scales are the oracle's."""
     for name, x in CASES.items():
-        if fmt == "nvfp4_atw" and name == "atw_subnormal_sb":
+        if fmt.startswith("nvfp4_atw") and name == "atw_subnormal_sb":
             continue  # the authors' 8: a documented deviation, tested below
         want, scale = oracle(fmt, x)
         assert_bits(fake_quant(_x(name), fmt), want, f"{fmt} {name} fake_quant")
@@ -355,6 +358,58 @@ def test_atw_all_zero_tensor_gives_zeros():
     assert np.isnan(ro.atw_nvfp4(x, guard_zero_tensor=False)[0]).all()
     y = np.asarray(fake_quant(jnp.asarray(x), "nvfp4_atw"))
     assert (y.view(np.uint32) == 0).all()
+
+
+def test_atw_e4m3_cast_before_and_from_pytorch_2_13():
+    """A block far below the tensor's amax: its encode factor 6/max|xs| exceeds 464. PyTorch's
+    cast before 2.13 gave NaN there, the authors' code falls back to sb = 1 and the block
+    flushes to zero (nvfp4_atw); PyTorch 2.13 saturates to 448 and the block keeps its values
+    (nvfp4_atw_sat: -1 -> -0.98, -0.3 -> -0.33, -0.7 -> -0.65, by hand: st = 786432/2688,
+    v = |x| * 448 / st)."""
+    x = np.zeros((2, 32), F32)
+    x[0, 0] = 786432.0
+    x[0, 16:19] = [-1.0, -0.3, -0.7]
+    x[0, 19] = 0.9
+    st = F32(786432.0) * (F32(1) / F32(2688))
+    want = [-F32(1.5) / F32(448) * st, -F32(0.5) / F32(448) * st, -F32(1) / F32(448) * st]
+    old = np.asarray(fake_quant(jnp.asarray(x), "nvfp4_atw"))
+    new = np.asarray(fake_quant(jnp.asarray(x), "nvfp4_atw_sat"))
+    assert (old[0, 16:] == 0).all() and (old[1] == 0).all()
+    np.testing.assert_array_equal(new[0, 16:19], want)
+    np.testing.assert_allclose(new[0, 16:19], [-0.98, -0.33, -0.65], atol=0.005)
+    s_old, s_new = (np.asarray(quantize(jnp.asarray(x), f).scale).astype(F32)
+                    for f in ("nvfp4_atw", "nvfp4_atw_sat"))
+    assert s_old[0, 1] == 1 and s_new[0, 1] == 448
+    assert (s_old[1] == 1).all() and (s_new[1] == 448).all()  # all-zero blocks: 6/0 = inf
+    for f, y in (("nvfp4_atw", old), ("nvfp4_atw_sat", new)):
+        assert_bits(y, oracle(f, x)[0], f)
+    np.testing.assert_array_equal(new[0, :16], old[0, :16])  # the amax block: one rule
+
+
+def test_the_saturating_oracle_cast_is_pytorch_2_13s():
+    """The oracle's two E4M3 casts against PyTorch's own: the consumers' environment holds
+    torch 2.13 (or later), whose cast saturates (values around 448/464/480, 1e30, inf, NaN, signed,
+    subnormal ties); the NaN rule is c10's conversion before pytorch/pytorch#178817."""
+    import json
+    import subprocess
+
+    from environments import CONSUMERS, python_of
+
+    v = np.array([448, 449, 463.99, 464, 464.01, 479.9, 480, 1e3, 1e30, np.inf, np.nan,
+                  2.0 ** -10, 3 * 2.0 ** -10, 0.0, 1.0625], F32)
+    v = np.concatenate([v, -v])
+    code = ("import json, sys, torch; v = torch.tensor(json.loads(sys.stdin.read())); "
+            "print(torch.__version__); "
+            "print(json.dumps(v.to(torch.float8_e4m3fn).float().tolist()))")
+    out = subprocess.run([str(python_of(CONSUMERS)), "-c", code], capture_output=True,
+                         text=True, check=True,
+                         input=json.dumps([float(a) for a in v])).stdout.split("\n")
+    assert tuple(map(int, out[0].split(".")[:2])) >= (2, 13), out[0]
+    torch_cast = np.asarray(json.loads(out[1]), F32)
+    assert_bits(ro.e4m3_torch(v, saturating=True), torch_cast, "torch 2.13 cast")
+    nan_rule = ro.e4m3_torch(v)
+    assert np.isnan(nan_rule[np.abs(v) > 464]).all()
+    assert_bits(nan_rule[np.abs(v) <= 464], torch_cast[np.abs(v) <= 464], "below 464")
 
 
 # ----------------------------------------------------------------------------- hand-checked examples
