@@ -93,7 +93,7 @@ def _assignments(params, how, layers: dict, num_blocks) -> dict:
     kinds = [r for r in policy.rules if r.kind is not None]
     if kinds and not any(layers.values()):
         raise ValueError(f"policy {policy.name}: rule {kinds[0].label()!r} names a layer kind "
-                         "(kind={kinds[0].kind!r}) that these parameters do not record; "
+                         f"(kind={kinds[0].kind!r}) that these parameters do not record; "
                          "export from the model's record: quantized_weights(params, "
                          "quantize_model(model, policy).assignments(variables, x))")
     num_blocks = num_blocks or policy.infer_num_blocks(layers)

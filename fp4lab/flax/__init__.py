@@ -33,10 +33,11 @@ each NNX layer has its own stream, seeded from the ``rngs`` given to the layer (
 stream if present) or from ``quantize_model``'s ``seed`` and the layer's path. Every layer and
 every call gets its own key.
 
-Depth rules need a block index in the path: under ``nn.scan`` over layers all blocks share one
-module (one traced body), so a depth rule cannot give scanned blocks different recipes. NNX
-layers stacked for a scan (on any axis: ``param_scan_axis`` metadata, else the leading ones)
-are the model's blocks; a depth rule that would split them is refused.
+Depth rules need a block index in the path. Blocks stacked for a scan run one traced body:
+Linen blocks under ``nn.scan``/``nn.vmap`` whose ``variable_axes`` map ``"params"``, and NNX
+layers stacked for a scan (on any axis: ``param_scan_axis`` metadata, else the leading ones),
+are the model's blocks; a depth rule that would split them is refused, and per-GEMM state
+(probes, amax histories) is stacked with them.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     Calls inside modules (``jnp.einsum``, ``lax.dot_general``) are quantized by rules of an
     op kind. Linen finds them at every ``apply``. NNX needs example ``inputs`` (their values
     do not matter; ``jax.ShapeDtypeStruct`` will do) and ``call_kwargs``: ``model(*inputs,
-    **call_kwargs)`` is traced once, abstractly, to find the calls; each quantized call gets
+    **call_kwargs)`` is traced once, abstractly, to find the calls (example inputs are traced
+    whatever the policy, and inputs the model cannot take are refused); each quantized call gets
     a :class:`~fp4lab.flax.nnx.QuantOp` (its SR stream and amax history) in its module's
     ``fp4lab_ops``, and every method of the modules that can reach them intercepts them
     from then on (:func:`~fp4lab.flax.nnx.intercept_ops`). Quantizing a model again drops
@@ -249,15 +251,25 @@ def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
     gemms = [_Gemm(path, _nnx.HOOKS[type(m)][0], _nnx.layer_stack(m), m)
              for path, m in modules.items() if type(m) in _nnx.HOOKS]
     registered = any(type(m) in _nnx.LAYER_CALLS for m in modules.values())
-    if not (policy.governs_ops or registered):
-        return gemms
+    needs_calls = policy.governs_ops or registered
     if not inputs and not call_kwargs:
+        if not needs_calls:
+            return gemms
         what = ", ".join(repr(r.label()) for r in policy.rules if r.kind in OP_KINDS)
         what = f"rules {what}" if what else "layers of registered types"
         raise ValueError(f"policy {policy.name} quantizes calls inside modules ({what}): an "
                          "NNX model needs example inputs to find them, "
                          "quantize_model(model, policy, x)")
-    for mpath, name, kind, stack in _nnx.find_op_calls(model, inputs, call_kwargs):
+    try:  # example inputs are always run (abstractly): inputs the model cannot take are refused
+        calls = _nnx.find_op_calls(model, inputs, call_kwargs)
+    except Exception as e:
+        shapes = ", ".join(str(getattr(a, "shape", type(a).__name__)) for a in inputs)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"quantize_model: {type(model).__name__} does not run on the example "
+                         f"inputs (shapes {shapes}): {first}") from e
+    if not needs_calls:
+        return gemms
+    for mpath, name, kind, stack in calls:
         module = modules[mpath]
         layer = _nnx.LAYER_CALLS.get(type(module)) if kind == "lax.dot_general" else None
         if layer is not None:

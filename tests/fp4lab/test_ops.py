@@ -276,6 +276,17 @@ def test_nnx_op_calls_explain_and_errors():
                                   np.asarray(nnx_by_hand(m, x)))
 
 
+@pytest.mark.parametrize("policy", ["all:nvfp4", NNX_OPS])
+def test_nnx_example_inputs_the_model_cannot_take_are_refused(policy):
+    """Example inputs are run (abstractly) whether or not the policy needs them to find calls:
+    a wrong feature size was accepted silently where no op rule looked at it."""
+    x, m = nnx_data()
+    with pytest.raises(ValueError, match=r"quantize_model: NNXModel does not run on the "
+                                         r"example inputs \(shapes \(2, 8, 31\)\): .*31"):
+        quantize_model(m, policy, jnp.ones((2, 8, 31)))
+    quantize_model(m, policy, x)  # the right size still goes through
+
+
 def test_nnx_op_streams_and_histories():
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     sr = PrecisionPolicy(rules=(Rule(recipe="nvfp4", kind="jnp.einsum",
