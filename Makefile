@@ -2,7 +2,7 @@
 #   make sweep  the main job: train the hybrid LM under 11 precision policies, 3 of them
 #               under 3 seeds (~15 min on 2 CPU cores)
 #   make demo   the fp4lab CLI: format table and format comparison plot
-#   make test   the test suite
+#   make test   the linter (ruff, pyproject.toml's [tool.ruff]), then the test suite
 # Each target installs what it needs (the sm_90 compile check's 1 GB Triton wheel only for
 # `make test`).
 VENV   ?= .venv
@@ -63,6 +63,7 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
 test: $(TEST) $(CONSUMERS)/.installed $(MAXTEXT)/.installed
+	$(VENV)/bin/ruff check .
 	FP4LAB_CONSUMER_PYTHON=$(abspath $(CONSUMERS))/bin/python \
 	FP4LAB_MAXTEXT_PYTHON=$(abspath $(MAXTEXT))/bin/python \
 	$(PY) -m pytest -q -n 2 --durations=25 $(PYTEST_ARGS)

@@ -77,7 +77,8 @@ def parse_config(text: str):
     try:
         rows, cols, warps = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--config {text!r}: expected ROWSxCOLSxWARPS, e.g. 32x256x4")
+        raise SystemExit(f"--config {text!r}: expected ROWSxCOLSxWARPS, e.g. 32x256x4") \
+            from None
     return kq.KernelConfig(block_rows=rows, block_cols=cols, num_warps=warps)
 
 

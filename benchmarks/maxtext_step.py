@@ -165,7 +165,7 @@ def summarize(results: dict) -> list[dict]:
         row = {"variant": v, "error": res["error"], "rounds": len(res["rounds"])}
         steps = [t for r in res["rounds"] for t in r]
         if steps and not res["error"]:
-            ratios = [statistics.median(r) / b for r, b in zip(res["rounds"], base)]
+            ratios = [statistics.median(r) / b for r, b in zip(res["rounds"], base, strict=True)]
             row.update(min=min(steps), median=statistics.median(steps), max=max(steps),
                        ratio_min=min(ratios), ratio_median=statistics.median(ratios),
                        ratio_max=max(ratios), loss=statistics.median(res["loss"]))

@@ -73,8 +73,8 @@ def _expand(paths, suffixes) -> list[tuple[Path, str]]:
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            def wanted(f: Path) -> bool:
-                parts = f.relative_to(p).parts
+            def wanted(f: Path, root: Path = p) -> bool:
+                parts = f.relative_to(root).parts
                 return (f.is_file() and not any(x.startswith(".") or x == "__pycache__"
                                                 for x in parts)
                         and (not suffixes or f.suffix in suffixes) and is_text(f))
@@ -202,7 +202,7 @@ class TokenData(TextData):
     def record(self) -> dict:
         """What a run read: the two files (their absolute paths), their format and sizes in
         bytes (headers included), their tokens and the vocabulary with where it came from."""
-        paths = dict(zip(("train", "val"), self.paths))
+        paths = dict(zip(("train", "val"), self.paths, strict=True))
         return {"kind": "tokens", "source": self.source, "token_format": self.token_format,
                 "files": {"train": 1, "val": 1},
                 "paths": {k: str(p.resolve()) for k, p in paths.items()},

@@ -109,7 +109,7 @@ def split_columns(value, sizes: list[int]) -> list:
     if sum(sizes) != value.shape[-1]:
         raise ValueError(f"sizes {sizes} do not add up to the {value.shape[-1]} columns of a "
                          f"kernel of shape {tuple(value.shape)}")
-    edges = list(zip(np.cumsum([0, *sizes])[:-1].tolist(), np.cumsum(sizes).tolist()))
+    edges = list(zip(np.cumsum([0, *sizes])[:-1].tolist(), np.cumsum(sizes).tolist(), strict=True))
     if not isinstance(value, QArray):
         return [value[..., a:b] for a, b in edges]
     if value.tile is None:
@@ -153,7 +153,7 @@ def _attention(p: str, w: dict, i: int) -> dict:
     d = qkv.shape[-1] // 3
     parts = split_columns(qkv, [d, d, d])
     out = {f"{p}/qkv/{x}/kernel": (f"blk.{i}.attn_{x}.weight", part)
-           for x, part in zip("qkv", parts)}
+           for x, part in zip("qkv", parts, strict=True)}
     out[f"{p}/out/kernel"] = (f"blk.{i}.attn_output.weight", w[f"{p}/out/kernel"])
     return out
 

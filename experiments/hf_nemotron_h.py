@@ -192,7 +192,7 @@ def hf_layout(weights: dict, cfg: ModelConfig) -> dict:
         if layer.endswith("/attention/qkv") and leaf == "kernel":
             base = layer.rpartition("/")[0]
             out.update({f"{base}/{n}_proj/kernel": v
-                        for n, v in zip("qkv", split_columns(value, [d, d, d]))})
+                        for n, v in zip("qkv", split_columns(value, [d, d, d]), strict=True)})
         elif leaf == "conv_kernel":
             out[f"{layer}/conv1d/weight"] = np.ascontiguousarray(np.asarray(value).T[:, None])
         else:

@@ -79,4 +79,4 @@ def gap_difference(values: dict[int, float], base: dict[int, float],
     nan = float("nan")
     return GapDifference(float(np.mean(here)) if seeds else nan,
                          float(np.mean(there)) if seeds else nan,
-                         mean_interval((a - b for a, b in zip(here, there)), confidence))
+                         mean_interval((a - b for a, b in zip(here, there, strict=True)), confidence))

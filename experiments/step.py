@@ -262,7 +262,7 @@ def _osci_reset(osci, params: dict, state, t):
     cfg, paths = osci
     flat = flax.traverse_util.flatten_dict(params, sep="/")
     weights, new, count = osci_reset.step(cfg, [flat[p] for p in paths], state, t)
-    flat.update(zip(paths, weights))
+    flat.update(zip(paths, weights, strict=True))
     return flax.traverse_util.unflatten_dict(flat, sep="/"), new, count
 
 

@@ -551,8 +551,8 @@ def _connect_collectives():
         spec = P(*mesh.axis_names)
         ones = np.ones(mesh.devices.shape, np.int32)
         x = jax.make_array_from_callback(ones.shape, NamedSharding(mesh, spec),
-                                         lambda index: ones[index])
-        psum = jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh, in_specs=spec,
+                                         lambda index, ones=ones: ones[index])
+        psum = jax.shard_map(lambda v, axis=axis: jax.lax.psum(v, axis), mesh=mesh, in_specs=spec,
                              out_specs=spec)
         programs.append((jax.jit(psum).lower(x).compile(), x, mesh.shape[axis]))
     _barrier("connect")
@@ -627,7 +627,7 @@ class _StepLog:
         rate = ((step_now - self.interval.step) * self.tokens_per_step
                 / (now - self.interval.time))
         recs = [{"step": s, **{k: float(x) for k, x in v.items()}}
-                for (s, _), v in zip(self.pending, values)]
+                for (s, _), v in zip(self.pending, values, strict=True)]
         if not self.interval.compiled:  # the interval's throughput
             recs[-1]["tokens_per_s"] = rate
         self.records.steps(recs)

@@ -75,7 +75,7 @@ def _forward(q, k, v, scale, causal, block_k, accumulate):
     m = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
     l = jnp.zeros(q.shape[:-1], jnp.float32)
     acc = jnp.zeros(q.shape[:-1] + v.shape[-1:], jnp.float32)
-    for (start, kb), (_, vb) in zip(_blocks(k, block_k), _blocks(v, block_k)):
+    for (start, kb), (_, vb) in zip(_blocks(k, block_k), _blocks(v, block_k), strict=True):
         s = _scores(q, kb, scale, causal, start, length, total)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
@@ -123,7 +123,7 @@ def _attention_bwd(scale, causal, block_k, accumulate, out_dtype, saved, res, d_
     dq = jnp.zeros(q.shape, jnp.float32)
     dks, dvs = [], []
     hi = lax.Precision.HIGHEST
-    for (start, kb), (_, vb) in zip(_blocks(k, block_k), _blocks(v, block_k)):
+    for (start, kb), (_, vb) in zip(_blocks(k, block_k), _blocks(v, block_k), strict=True):
         s = _scores(q, kb, scale, causal, start, length, total)
         p = jnp.exp(s - lse[..., None])
         dvs.append(jnp.einsum("...lt,...ld->...td", p, do, precision=hi))

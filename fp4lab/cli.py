@@ -228,12 +228,12 @@ def _plot(results: list[dict], path: str) -> None:
     panels = [("sqnr_db", "SQNR (dB, higher is better)", 1.0),
               ("underflow", "underflow: nonzero -> 0 (%)", 100.0),
               ("saturation", "saturation (%)", 100.0)]
-    for ax, (key, title, mult) in zip(axes, panels):
+    for ax, (key, title, mult) in zip(axes, panels, strict=True):
         for i, t in enumerate(tensors):
             vals = np.array([get[(t, f)][key] * mult for f in formats])
             pos = xs + i * width - 0.4 + width / 2
             ax.bar(pos, np.where(np.isfinite(vals), vals, 0.0), width, label=t)
-            for p_, v in zip(pos, vals):
+            for p_, v in zip(pos, vals, strict=True):
                 if np.isposinf(v):  # lossless (e.g. BF16 input in BF16): no finite bar
                     ax.text(p_, 0, "exact", rotation=90, fontsize=6, ha="center", va="bottom")
         ax.set_xticks(xs, formats, rotation=60, ha="right", fontsize=8)

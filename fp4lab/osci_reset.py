@@ -93,13 +93,13 @@ def step(cfg: OsciReset, weights: list[jax.Array], state: OsciState, t
 
     def track(_):
         dq = [d + jnp.abs(cfg.quantize(w) - cfg.quantize(p)).astype(jnp.float32)
-              for d, w, p in zip(state.dq, weights, state.prev)]
-        dfp = [d + jnp.abs(w - p) for d, w, p in zip(state.dfp, f32, state.prev)]
+              for d, w, p in zip(state.dq, weights, state.prev, strict=True)]
+        dfp = [d + jnp.abs(w - p) for d, w, p in zip(state.dfp, f32, state.prev, strict=True)]
         return list(weights), OsciState(f32, dq, dfp, state.armed), jnp.int32(0)
 
     def reset(_):
         out, count = [], jnp.int32(0)
-        for w, dq, dfp in zip(weights, state.dq, state.dfp):
+        for w, dq, dfp in zip(weights, state.dq, state.dfp, strict=True):
             ratio = jnp.where(dfp == 0, 0.0, dq / jnp.where(dfp == 0, 1.0, dfp))
             mask = ratio >= cfg.threshold
             out.append(jnp.where(mask, cfg.quantize(w), w))

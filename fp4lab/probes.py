@@ -31,7 +31,7 @@ def probe_zeros() -> jax.Array:
 def probe_table(probe_grad) -> dict[str, dict[str, float]]:
     """``{operand: {metric: value}}`` from a probe's gradient (host values)."""
     a = np.asarray(probe_grad)
-    return {op: dict(zip(METRIC_NAMES, map(float, a[i]))) for i, op in enumerate(OPERANDS)}
+    return {op: dict(zip(METRIC_NAMES, map(float, a[i]), strict=True)) for i, op in enumerate(OPERANDS)}
 
 
 def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=None

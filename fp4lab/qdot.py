@@ -94,7 +94,7 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
         tokens_first = x[0] if x.shape[0] == 1 else x  # the kernel takes one matrix
         kernel = _backend.decide(backend, _backend.Request(
             op="rht_quantize", format=op.format, shape=tokens_first.shape, axis=-2,
-            rounding=op.rounding, transform=op.hadamard), strict=False)
+            rounding=op.rounding, transform=op.hadamard), strict=True)
         if kernel is not None:
             q = kernel.fn(tokens_first, op.format, key, rounding=op.rounding, signs=signs)
             return dequantize(q, jnp.float32, backend=backend).T[None]
@@ -110,7 +110,7 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
     # to XLA with a KernelFallback warning instead of failing the whole GEMM
     return fake_quant_operand(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
                               rounding=op.rounding, key=key, backend=backend,
-                              global_amax=global_amax, strict=False)
+                              global_amax=global_amax, strict=True)
 
 
 def _mm(a, b, dn):
@@ -161,7 +161,7 @@ def _check_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers) -> tuple:
 
 def _plan(lhs_shape, rhs_shape, dimension_numbers) -> _Plan:
     lc, rc, lb, rb = _check_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers)
-    for a, b in zip(lc + lb, rc + rb):
+    for a, b in zip(lc + lb, rc + rb, strict=True):
         if lhs_shape[a] != rhs_shape[b]:
             raise ValueError(f"lhs axis {a} (size {lhs_shape[a]}) and rhs axis {b} (size "
                              f"{rhs_shape[b]}) are paired but differ")

@@ -69,7 +69,7 @@ class Geometry(NamedTuple):
     @property
     def padded(self) -> tuple[int, ...]:
         out = list(self.shape)
-        for a, b in zip(self.axes, self.block):
+        for a, b in zip(self.axes, self.block, strict=True):
             out[a] = -(-out[a] // b) * b if b else 0  # (a per-tensor block of an empty axis)
         return tuple(out)
 
@@ -140,7 +140,7 @@ def _geometry(shape, fmt: Format, axis, tile) -> tuple[Geometry, int]:
 
 def to_blocks(x: jax.Array, g: Geometry) -> jax.Array:
     """``x`` zero-padded to whole blocks and reshaped to the blocked layout of ``g``."""
-    pad = [(0, p - s) for s, p in zip(g.shape, g.padded)]
+    pad = [(0, p - s) for s, p in zip(g.shape, g.padded, strict=True)]
     if any(hi for _, hi in pad):
         x = jnp.pad(x, pad)
     return x.reshape(g.blocked)

@@ -55,8 +55,8 @@ def _ordered_sum(terms, rounding):
 
 
 def _tree_sum(terms):
-    while len(terms) > 1:
-        paired = [round_to_bf16(a + b) for a, b in zip(terms[0::2], terms[1::2])]
+    while len(terms) > 1:  # an odd count: the last term waits a level (strict=False)
+        paired = [round_to_bf16(a + b) for a, b in zip(terms[0::2], terms[1::2], strict=False)]
         terms = paired + ([terms[-1]] if len(terms) % 2 else [])
     return terms[0]
 

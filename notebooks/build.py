@@ -73,7 +73,7 @@ for fmt in ["nvfp4", "mxfp4", "mxfp8", "fp8_e4m3"]:
     under = np.mean((np.asarray(y) == 0) & (np.asarray(x) != 0), axis=1)
     axes[0].plot(rows, rel, label=fmt)
     axes[1].plot(rows, 100 * under, label=fmt)
-for ax, title in zip(axes, ["relative error per row", "underflow % per row"]):
+for ax, title in zip(axes, ["relative error per row", "underflow % per row"], strict=True):
     ax.set_xscale("log", base=2); ax.set_xlabel("row scale"); ax.set_title(title); ax.legend()
 axes[0].set_yscale("log")
 plt.tight_layout(); plt.show()"""),
@@ -98,7 +98,7 @@ for i, (dist, row) in enumerate(table.items()):
     pos = np.arange(len(names)) + i * width
     axes[0].bar(pos, [float(row[n]["sqnr_db"]) for n in names], width, label=dist)
     axes[1].bar(pos, [100 * float(row[n]["underflow"]) for n in names], width, label=dist)
-for ax, title in zip(axes, ["SQNR (dB, higher is better)", "underflow (% of nonzeros)"]):
+for ax, title in zip(axes, ["SQNR (dB, higher is better)", "underflow (% of nonzeros)"], strict=True):
     ax.set_xticks(np.arange(len(names)) + 0.4, names, rotation=45, ha="right")
     ax.set_title(title)
 axes[0].legend(fontsize=7)
@@ -242,7 +242,7 @@ print(f"{len(results)} runs in {out}")"""),
     ("md", "## Loss gaps to BF16 and throughput"),
     ("code", """header, rows = results_table(results)
 for row in rows:
-    print(dict(zip(header[:7], row[:7])))
+    print(dict(zip(header[:7], row[:7], strict=True)))
 ok = [r for r in results if r["status"] == "ok" and r["policy"] != "bf16"]
 base = next(r for r in results if r["policy"] == "bf16")
 gaps = [100 * (r["val_loss"] / base["val_loss"] - 1) for r in ok]

@@ -144,10 +144,13 @@ def _rht_quantize(x, key, global_amax, *, fmt, rounding, signs, cfg: KernelConfi
     return QArray(q[:k, :m16 // 2], s[:k, :m16 // 16], amax, fmt, 1, None, (k, m16))
 
 
+RHT_CONFIG = KernelConfig(block_rows=64, block_cols=64)  # rht_quantize_nvfp4's default tiles
+
+
 def rht_quantize_nvfp4(x, key=None, *, rounding: str = "stochastic", signs="te",
                        global_amax=None, fmt: str | Format = "nvfp4",
                        interpret: bool | None = None,
-                       config: KernelConfig = KernelConfig(block_rows=64, block_cols=64)
+                       config: KernelConfig = RHT_CONFIG
                        ) -> QArray:
     """NVFP4 wgrad operand: ``quantize(rht(x, axis=0).T, "nvfp4", rounding=...)`` fused
     (see module docstring); ``x`` is ``(tokens, features)``; ``key`` is required for

@@ -406,7 +406,7 @@ def test_ftz_is_a_no_op_on_normal_data():
         lambda f: ref.q8_0_quantize(x, ftz=f),
     ]
     for fn in pairs:
-        for a, b in zip(fn(False), fn(True)):
+        for a, b in zip(fn(False), fn(True), strict=True):
             np.testing.assert_array_equal(a, b)
 
 

@@ -154,7 +154,7 @@ def plot_gap_intervals(results: list[RunResult], path: Path, baseline: str = "bf
         return
     fig = Figure(figsize=(7, 0.35 * len(rows) + 1.5))
     ax = fig.subplots()
-    for i, (policy, g) in enumerate(rows):
+    for i, (_, g) in enumerate(rows):
         if math.isfinite(g.low):
             ax.errorbar(g.mean, i, xerr=[[g.mean - g.low], [g.high - g.mean]], fmt="o",
                         capsize=3, color="C0" if g.distinguishable else "C7")
@@ -285,7 +285,7 @@ def plot_heatmaps(results: list[RunResult], metric: str, path: Path):
     cmap = matplotlib.colormaps["magma_r" if is_under else "viridis"].with_extremes(
         bad="#dddddd")
     im = None
-    for ax, (policy, runs) in zip(axes.flat, panels):
+    for ax, (policy, runs) in zip(axes.flat, panels, strict=False):  # the grid's spare cells: hidden below
         im = _heat_panel(ax, axes, policy, runs, layers, metric, cmap)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

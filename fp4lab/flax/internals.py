@@ -47,7 +47,7 @@ def linen_lifted(module: nn.Module) -> tuple[str, dict] | None:
     ``flax.core.lift.scan`` / ``vmap`` (``variable_axes``, ``split_rngs``, ``length``,
     ``axis_size``, ...; defaults filled in). ``None`` for any other module. Read off the lifted
     ``__call__``'s closure, where Flax keeps the transform and its arguments."""
-    call = getattr(type(module), "__call__", None)
+    call = getattr(type(module), "__call__", None)  # noqa: B004 (its closure is read)
     names = getattr(getattr(call, "__code__", None), "co_freevars", ())
     lifted = ("transform", "trafo_args", "trafo_kwargs")
     if not set(lifted) <= set(names):

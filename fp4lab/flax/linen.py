@@ -25,7 +25,7 @@ from fp4lab.flax.internals import (linen_calling_module, linen_child, linen_eins
                                    linen_filter_value, linen_lifted, linen_module_stack)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
                              quantized_call, runs_as_written, trace_abstractly)
-from fp4lab.policy import OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused
+from fp4lab.policy import Assignment, ExplainTable, PrecisionPolicy, check_unused
 from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe

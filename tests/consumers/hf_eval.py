@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     if len(argv) < 3 or len(argv) % 2 == 0:
         raise SystemExit("usage: hf_eval.py TOKENS.npy FOLDER OUT.npz [FOLDER OUT.npz ...]")
     tokens = np.load(argv[0])
-    for folder, out in zip(argv[1::2], argv[2::2]):
+    for folder, out in zip(argv[1::2], argv[2::2], strict=True):
         logits, info = _run(Path(folder), tokens)
         np.savez(out, logits=logits, info=np.array(json.dumps(info)))
 

@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
     if len(args.pairs) % 2:
         raise SystemExit(f"MODEL.gguf OUT.npz pairs expected, got {args.pairs}")
     windows = np.load(args.tokens)
-    for model, out in zip(args.pairs[::2], args.pairs[1::2]):
+    for model, out in zip(args.pairs[::2], args.pairs[1::2], strict=True):
         llm = _load(model, windows.shape[1] - 1)
         logits, loss = evaluate(llm, windows)
         extra = {}

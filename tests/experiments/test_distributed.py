@@ -88,7 +88,7 @@ class Processes:
         for it in a collective) or the deadline ends the test: the rest are killed."""
         procs = [self.started[n] for n in names]
         while any(p.poll() is None for p in procs):
-            failed = [n for n, p in zip(names, procs) if p.poll() not in (None, 0, 130)]
+            failed = [n for n, p in zip(names, procs, strict=True) if p.poll() not in (None, 0, 130)]
             late = time.monotonic() > self.deadline
             if failed or late:
                 self.kill_all()

@@ -11,6 +11,7 @@ which prints the ``GOLDEN`` dict to paste here. They are XLA:CPU's numbers (the 
 platform); another backend may round differently, and another CPU sums the gradient norm in
 another order (``GRAD_NORM_RTOL``; the losses too, less: ``LOSS_RTOL``)."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def test_golden_numbers_tell_the_recipes_apart():
     firsts = {p: tuple(map(tuple, v)) for p, v in GOLDEN.items()}
     assert len(set(firsts.values())) == len(POLICIES), firsts
     losses = sorted(v[0][0] for v in GOLDEN.values())  # LOSS_RTOL cannot mistake one for another
-    assert all(b - a > LOSS_RTOL * b for a, b in zip(losses, losses[1:])), losses
+    assert all(b - a > LOSS_RTOL * b for a, b in itertools.pairwise(losses)), losses
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def _bf16_tree(xs):  # pairwise, a BF16 add (exact sum rounded once) at every no
     level = [x.astype(ml_dtypes.bfloat16) for x in xs]
     while len(level) > 1:
         nxt = [(a.astype(np.float64) + b.astype(np.float64)).astype(ml_dtypes.bfloat16)
-               for a, b in zip(level[0::2], level[1::2])]
+               for a, b in zip(level[0::2], level[1::2], strict=False)]
         level = nxt + ([level[-1]] if len(level) % 2 else [])
     return level[0].astype(np.float32)
 
@@ -49,7 +49,7 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     local_flat = jax.tree.leaves(local)
     assert len(flat) == len(local_flat)
-    for (path, g), per_replica in zip(flat, local_flat):
+    for (path, g), per_replica in zip(flat, local_flat, strict=True):
         name = "/".join(str(k.key) for k in path)
         xs = np.asarray(per_replica)
         assert xs.shape[0] == N
@@ -81,7 +81,7 @@ def test_unequal_masks_reduce_to_the_global_token_mean_gradient(tiny, text):
     np.testing.assert_allclose(float(main), float(want_main), rtol=2e-6)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                            jax.tree.leaves(want)):
+                            jax.tree.leaves(want), strict=True):
         scale = float(np.max(np.abs(np.asarray(w))))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * scale,
                                    err_msg=jax.tree_util.keystr(path))

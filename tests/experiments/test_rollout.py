@@ -62,7 +62,7 @@ def test_a_run_reads_back_the_parameters_training_saved(trained, tmp_path):
     saved = ocp.StandardCheckpointer().restore(folder.resolve() / "ckpt" / "8" / "default")
     assert set(saved) >= {"params", "opt_state", "step"} and int(saved["step"]) == 8
     assert jax.tree.structure(run.params) == jax.tree.structure(saved["params"])
-    for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(saved["params"])):
+    for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(saved["params"]), strict=True):
         assert got.dtype == want.dtype == jnp.float32
         np.testing.assert_array_equal(got, want)
     inputs, targets = runs.validation_tokens(run.config, run.data, 2)
@@ -86,7 +86,7 @@ def test_a_run_reads_back_the_parameters_training_saved(trained, tmp_path):
         stored["data"].pop(key, None)
     (old / "config.json").write_text(json.dumps(stored))
     again = runs.load_run(old)
-    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(run.params)):
+    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(run.params), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -207,7 +207,7 @@ def test_a_damaged_checkpoint_names_an_intact_earlier_step_and_resume_refuses_it
     shutil.move(copy / "ckpt" / "8", tmp_path / "damaged_step_8")
     back = runs.load_run(copy)
     for got, want in zip(jax.tree.leaves(back.params),
-                         jax.tree.leaves(runs.load_run(folder).params)):
+                         jax.tree.leaves(runs.load_run(folder).params), strict=True):
         np.testing.assert_array_equal(got, want)
 
 

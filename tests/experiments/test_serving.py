@@ -340,7 +340,7 @@ def test_a_quantized_kernel_splits_along_its_output_axis_with_its_blocks(fmt, ge
     q = quantize(jax.random.normal(jax.random.key(0), (64, 96)) * 3, fmt, **geometry)
     fused = np.asarray(q.dequantize())
     parts = engines.split_columns(q, [32, 48, 16])
-    for part, (a, b) in zip(parts, [(0, 32), (32, 80), (80, 96)]):
+    for part, (a, b) in zip(parts, [(0, 32), (32, 80), (80, 96)], strict=True):
         assert part.shape == (64, b - a) and part.format == q.format
         np.testing.assert_array_equal(np.asarray(part.dequantize()), fused[:, a:b])
     with pytest.raises(ValueError, match="sizes"):

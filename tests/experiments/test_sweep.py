@@ -73,7 +73,7 @@ def test_probe_table_averages_layers_and_seeds_and_skips_infinities():
                     "b": {"wgrad_dy": {"noise_ratio": float("inf")}}}}
 
     header, rows = sweep.probe_table([run(0, 6.0), run(1, 8.0)])
-    row = dict(zip(header, rows[0]))
+    row = dict(zip(header, rows[0], strict=True))
     assert row["policy"] == "nvfp4" and row["seeds"] == 2
     assert row["wgrad_dy noise ratio"] == 7.0 and row["fprop_x 4/6 share %"] == 25.0
     assert row["dgrad_dy noise ratio"] == ""  # measured nowhere
@@ -88,7 +88,7 @@ def test_results_table_gaps_and_speed_are_relative_to_bf16():
              "tokens_per_s": 500.0, "underflow_by_kind": {"mlp/up": 0.068}}
     failed = {"policy": "x", "status": "failed", "error": "ValueError: boom"}
     header, rows = sweep.results_table([base, other, failed])
-    row = dict(zip(header, rows[1]))
+    row = dict(zip(header, rows[1], strict=True))
     assert row["val gap vs bf16 %"] == 10.0 and row["speed vs bf16"] == 0.5
     assert row["underflow % mlp/up"] == 6.8
     assert rows[2][1].startswith("failed: ValueError: boom")
@@ -129,10 +129,10 @@ def test_seeds_pair_the_gaps_and_give_t_intervals():
         [run("near", s, v) for s, v in enumerate(near)] + \
         [run("noisy", s, v) for s, v in enumerate(noisy)]
     header, rows = sweep.results_table(results)
-    t = {r[0]: dict(zip(header, r)) for r in rows}
+    t = {r[0]: dict(zip(header, r, strict=True)) for r in rows}
     # independent formula: t(0.975, df=2) = 4.302652729911275
     for name, vals in (("near", near), ("noisy", noisy)):
-        gaps = [100 * (v - b) / b for v, b in zip(vals, base)]
+        gaps = [100 * (v - b) / b for v, b in zip(vals, base, strict=True)]
         half = 4.302652729911275 * float(np.std(gaps, ddof=1)) / np.sqrt(3)
         assert t[name]["val gap vs bf16 %"] == round(float(np.mean(gaps)), 2)
         assert t[name]["gap 95% CI"] == f"[{np.mean(gaps) - half:.2f}, {np.mean(gaps) + half:.2f}]"
@@ -209,7 +209,7 @@ def test_a_sweep_over_seeds_reports_intervals(tmp_path, corpus_dir, tiny):
         "bf16-seed0", "bf16-seed1", "nvfp4-seed0", "nvfp4-seed1"]
     assert results[0].val_loss != results[2].val_loss  # the seed changes the run
     header, rows = sweep.results_table(results)
-    row = dict(zip(header, rows[1]))
+    row = dict(zip(header, rows[1], strict=True))
     assert row["seeds"] == 2 and row["gap 95% CI"].startswith("[")
     for f in ("loss_gap_curves.png", "gap_intervals.png", "results.md"):
         assert (tmp_path / f).stat().st_size > 0, f
@@ -372,12 +372,12 @@ def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
                 / val[(base, "bf16", s)] for s in range(3)]
 
     header, rows = sweep.results_table(results)
-    table = {(r[0], r[1]): dict(zip(header, r)) for r in rows}
+    table = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
     assert header[0] == "variant" and len(rows) == 6
     assert table[("small-late", "nvfp4")]["val gap vs bf16 %"] == round(
         float(np.mean(gaps("small-late", "small-base"))), 2)
     d_header, d_rows = sweep.difference_table(results)
-    diffs = {(r[0], r[1]): dict(zip(d_header, r)) for r in d_rows}
+    diffs = {(r[0], r[1]): dict(zip(d_header, r, strict=True)) for r in d_rows}
     assert set(diffs) == {("nvfp4", "small-late"), ("nvfp4", "d_model32-base"),
                           ("nvfp4", "d_model32-late")}
     for variant, ref, base, ref_base in (
@@ -397,7 +397,7 @@ def test_sizes_and_variants_cross_and_pair_their_gaps(tmp_path, monkeypatch):
     # sweep.compare: one policy against another, per variant that ran both, paired by seed
     c_header, c_rows = sweep.comparison_table(results, [("nvfp4", "bf16")])
     assert [r[2] for r in c_rows] == ["small-base", "d_model32-base"]
-    row = dict(zip(c_header, c_rows[0]))
+    row = dict(zip(c_header, c_rows[0], strict=True))
     assert row["difference %"] == round(float(np.mean(gaps("small-base", "small-base"))), 2)
     config.sweep.compare = (("nvfp4", "mxfp8"),)
     with pytest.raises(ValueError, match="sweep.compare entry"):
@@ -427,13 +427,13 @@ def test_baseline_and_reference_variants_name_whose_runs_a_variant_is_measured_a
                          / val[(base, "bf16", s)] for s in range(3)])
 
     header, rows = sweep.results_table(results)
-    table = {(r[0], r[1]): dict(zip(header, r)) for r in rows}
+    table = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
     wide = table[("wide", "bf16")]  # the baseline policy, measured against another variant
     assert wide["val gap vs bf16 %"] == round(float(gaps("wide", "bf16", "base").mean()), 2)
     assert wide["val gap vs bf16 %"] < 0 and wide["gap 95% CI"]  # wider is better here
     assert table[("base", "bf16")]["gap 95% CI"] == ""  # the baseline itself
     d_header, d_rows = sweep.difference_table(results)
-    diffs = {(r[0], r[1]): dict(zip(d_header, r)) for r in d_rows}
+    diffs = {(r[0], r[1]): dict(zip(d_header, r, strict=True)) for r in d_rows}
     assert ("bf16", "base") not in diffs and ("bf16", "wide") in diffs
     d = gaps("wide_late", "nvfp4", "wide") - gaps("late", "nvfp4", "base")
     row = diffs[("nvfp4", "wide_late")]

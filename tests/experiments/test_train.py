@@ -472,7 +472,7 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
         k = flat[path].shape[0]
         want = np.sqrt((x.reshape(-1, k) ** 2).sum(axis=0))  # the contracted dims trail
         np.testing.assert_allclose(flat[path], want, rtol=1e-5, err_msg=path)
-    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice)):
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
         np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
     # validation after the record window splits as the next step would
     from experiments.step import make_eval
@@ -520,7 +520,7 @@ def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
     train(tiny, tmp_path / "split", data=text, progress=False)
     base, split = losses(tmp_path / "base"), losses(tmp_path / "split")
     assert base[:3] == split[:3]
-    assert all(a != b for a, b in zip(base[3:], split[3:]))
+    assert all(a != b for a, b in zip(base[3:], split[3:], strict=True))
     like = _build(tiny, text).state
     state = _Checkpoints((tmp_path / "split").resolve()).restore(like)
     leaves = [np.asarray(v) for v in jax.tree.leaves(state.channel_norms)]

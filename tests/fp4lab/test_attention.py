@@ -56,7 +56,7 @@ def test_the_flash_backward_equals_the_float64_gradient(causal):
 
     with jax.enable_x64(True):
         want = jax.grad(loss64, argnums=(0, 1, 2))(*(np.float64(x) for x in (q, k, v)))
-        for g, r in zip(got, want):
+        for g, r in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-6)
 
 
@@ -195,7 +195,7 @@ def test_the_e5m6_attention_output_is_one_copy_shared_by_both_consumers():
     assert not np.array_equal(np.asarray(o_stored), np.asarray(o))
     want = _oracle(q, k, v, w, g, o_stored)
     exact = _oracle(q, k, v, w, g, o)
-    for name, a, b, c in zip(("dq", "dk", "dv", "dw"), got, want, exact):
+    for name, a, b, c in zip(("dq", "dk", "dv", "dw"), got, want, exact, strict=True):
         a, scale = np.asarray(a, np.float64), np.max(np.abs(b))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
         if name != "dv":  # dV = P^T dO does not read O

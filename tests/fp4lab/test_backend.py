@@ -137,7 +137,7 @@ def test_qdot_on_the_kernel_backend():
     # computes the reference's transform operation for operation): the same bits
     for recipe in ("mxfp8", "nvfp4_no_sr"):
         kernel, ref = run(recipe, "pallas"), run(recipe, "xla")
-        for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(ref)):
+        for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(ref), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # nvfp4 with SR: hashed SR bits, so gradients close to, not equal to, XLA's
     y1, (_, dw1) = run("nvfp4", "pallas")

@@ -83,7 +83,7 @@ def test_nnx_quantize_model_equals_twin_and_keeps_params():
                                     ("layers/2", "linear")]
     assert quantize_model(model, policy) is model
     assert [m.dot_general.recipe.name for m in model.layers] == ["nvfp4_no_sr", "bf16", "mxfp8"]
-    assert all(m.kernel is k for m, k in zip(model.layers, kernels))  # the same Param objects
+    assert all(m.kernel is k for m, k in zip(model.layers, kernels, strict=True))  # the same Param objects
     after = nnx.state(model, nnx.Param)
     assert jax.tree.structure(after) == jax.tree.structure(before)
     y = model(x)
@@ -144,7 +144,7 @@ def test_linen_dense_general_and_einsum_are_intercepted():
                                   np.asarray(twin.apply(params, x, rngs=rngs)))
     loss = lambda f: lambda p: (f(p, x, rngs=rngs) ** 2).sum()  # noqa: E731
     g, gt = jax.grad(loss(qm.apply))(params), jax.grad(loss(twin.apply))(params)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gt)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gt), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the unquantized model differs, and bf16 everywhere is a plain bf16 model
     assert not np.array_equal(np.asarray(qm.apply(params, x, rngs=rngs)),
@@ -230,7 +230,7 @@ def test_linen_scan_and_remat_equal_the_twin_and_every_block_draws_its_own_key()
     grad = jax.jit(jax.grad(loss(qm.apply)))
     g = grad(params)
     gt = jax.jit(jax.grad(loss(twin.apply)))(params)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gt)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gt), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # with all blocks' weights equal, per-block SR keys still give per-block gradients
     same = jax.tree.map(lambda p: jnp.broadcast_to(p[:1], p.shape), params)
@@ -269,7 +269,7 @@ def test_linen_probes_collect_every_layers_gemm_numerics():
 
     g, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, probes)
     g0 = jax.jit(jax.grad(loss))(params, jax.tree.map(lambda p: None, probes))  # no probes
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     w = params["params"]["layers_1"]["kernel"]
     want = quant_metrics(w[None], "mxfp8", axis=1)  # fprop W: blocks along K

@@ -57,7 +57,7 @@ def test_attention_products_and_custom_dot_generals_follow_op_rules():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(by_hand(params["params"], x)))
     g = jax.grad(lambda p: jnp.sum(qm.apply(p, x) ** 2))(params)
     gw = jax.grad(lambda p: jnp.sum(by_hand(p["params"], x) ** 2))(params)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # and it is not the unquantized model
     assert not np.array_equal(np.asarray(got), np.asarray(quantize_model(

@@ -208,7 +208,7 @@ def test_without_channels_it_is_tetrajet_v2():
     x, w, dy = _operands(32, 256, 32, seed=2)
     key = jax.random.key(3)
     for a, b in zip(_vjp("tetrajet_v2_outcontrol", x, w, dy, None, key),
-                    _vjp("tetrajet_v2", x, w, dy, None, key)):
+                    _vjp("tetrajet_v2", x, w, dy, None, key), strict=True):
         assert_bits(a, b, "tetrajet_v2_outcontrol without channels")
 
 
@@ -232,7 +232,7 @@ def test_jit_and_traced_channels():
     x, w, dy = _operands(32, 256, 32, seed=4)
     f = jax.jit(lambda x, w, c: _vjp(RTN, x, w, dy, c))
     ch = _channels(x)
-    for a, b in zip(f(x, w, ch), _vjp(RTN, x, w, dy, ch)):
+    for a, b in zip(f(x, w, ch), _vjp(RTN, x, w, dy, ch), strict=True):
         assert_bits(a, b, "jit")
 
 

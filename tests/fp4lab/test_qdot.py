@@ -226,7 +226,7 @@ def test_keys_differ_per_operand_and_are_reproducible():
     a = run(x, w, g, "nvfp4", jax.random.key(1))
     b = run(x, w, g, "nvfp4", jax.random.key(1))
     c = run(x, w, g, "nvfp4", jax.random.key(2))
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
     assert not np.array_equal(np.asarray(a[1]), np.asarray(c[1]))
 
@@ -389,7 +389,7 @@ def test_sharded_qdot_equals_unsharded():
     gs = jax.device_put(g, NamedSharding(mesh, P("data", "model")))
     got = f(xs, ws, gs, "nvfp4", key)
     assert got[0].sharding.spec == P("data", "model")
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_equal_up_to_sum_order(b, a)
     # the quantized operands themselves are bit-identical under sharding
     fq = jax.jit(lambda t: fp4lab.fake_quant(t, "nvfp4", tile=(16, 16)))
@@ -430,7 +430,7 @@ def test_probes_report_known_underflow_of_every_operand():
     # the probe does not change the result or the real gradients
     g0 = jax.grad(loss, argnums=(0, 1))(x, w, None)
     g1 = jax.grad(loss, argnums=(0, 1))(x, w, probe_zeros())
-    for a, b in zip(g0, g1):
+    for a, b in zip(g0, g1, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -479,7 +479,7 @@ def test_a_constant_cotangent_is_quantized_at_run_time():
     folded, runtime = _op_counts(by_sum, x, w), _op_counts(by_vjp, x, w, ones)
     for op in ("reduce", "divide"):
         assert folded[op] == runtime[op], (op, folded[op], runtime[op])
-    for a, b in zip(jax.jit(by_sum)(x, w), jax.jit(by_vjp)(x, w, ones)):
+    for a, b in zip(jax.jit(by_sum)(x, w), jax.jit(by_vjp)(x, w, ones), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

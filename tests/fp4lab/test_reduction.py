@@ -52,7 +52,7 @@ def oracle(xs, mode):
         for e in range(flat.shape[1]):
             level = list(terms[:, e])
             while len(level) > 1:
-                nxt = [_bf16_add(a, b) for a, b in zip(level[0::2], level[1::2])]
+                nxt = [_bf16_add(a, b) for a, b in zip(level[0::2], level[1::2], strict=False)]
                 level = nxt + ([level[-1]] if len(level) % 2 else [])
             out[e] = level[0]
     else:  # ring: chunk c from replica c on

@@ -62,7 +62,7 @@ def test_split_quant_rng_gives_each_block_and_each_step_its_own_keys():
     step0 = kernel_grad(model, params, x, jax.random.key(2))
     assert len({g.tobytes() for g in step0}) == L  # distinct keys per block
     step1 = kernel_grad(model, params, x, jax.random.key(3))  # the next step's key
-    assert all(not np.array_equal(a, b) for a, b in zip(step0, step1))
+    assert all(not np.array_equal(a, b) for a, b in zip(step0, step1, strict=True))
     np.testing.assert_array_equal(kernel_grad(model, params, x, jax.random.key(2)), step0)
 
 

@@ -122,4 +122,4 @@ def _lower_capturing_triton(f, *args) -> tuple[str, list]:
     launch = re.findall(r"num_stages = (\d+) : i32, num_warps = (\d+) : i32", hlo)
     names = re.findall(r"^module @(\w+)", "\n".join(texts), re.M)
     assert len(launch) == len(texts) == len(names), (len(launch), len(texts), len(names))
-    return hlo, [(n, t, int(w), int(s)) for n, t, (s, w) in zip(names, texts, launch)]
+    return hlo, [(n, t, int(w), int(s)) for n, t, (s, w) in zip(names, texts, launch, strict=True)]
