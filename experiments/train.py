@@ -494,10 +494,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     group of devices (and its reduce-scatter, which no program of a run has), fixed at 30 s
     in this jaxlib (gloo's default context timeout, which XLA does not set): hence the
     connection of the run's groups up front, with every process at the same point."""
-    timeout_s = float(timeout_s)
-    if not 0 < timeout_s < math.inf:
-        raise ValueError(f"the distributed timeout must be a positive number of seconds, "
-                         f"not {timeout_s}")
+    timeout_s = _checked_timeout(timeout_s)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id,
                                initialization_timeout=max(1, math.ceil(timeout_s)))
@@ -508,6 +505,15 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     jax.config.update("jax_cpu_get_global_topology_timeout_minutes", max(5, minutes + 1))
     _distributed["timeout_s"] = timeout_s
     _connect_collectives()
+
+
+def _checked_timeout(timeout_s) -> float:
+    """``timeout_s`` as float seconds; ValueError unless positive and finite."""
+    t = float(timeout_s)
+    if not 0 < t < math.inf:
+        raise ValueError(f"the distributed timeout must be a positive number of seconds, "
+                         f"not {t:g}")
+    return t
 
 
 def _client():
@@ -913,11 +919,11 @@ def _initialize_distributed(args, ap):
             ap.error("--coordinator, --num-processes, --process-id and --distributed-timeout "
                      "need --distributed")
         return
-    timeout_s = DISTRIBUTED_TIMEOUT_S if args.distributed_timeout is None else \
-        args.distributed_timeout
-    if not 0 < timeout_s < math.inf:
-        ap.error(f"--distributed-timeout must be a positive number of seconds, not "
-                 f"{timeout_s:g}")
+    try:
+        timeout_s = _checked_timeout(DISTRIBUTED_TIMEOUT_S if args.distributed_timeout is None
+                                     else args.distributed_timeout)
+    except ValueError as e:
+        ap.error(f"--distributed-timeout: {e}")
     initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                            timeout_s=timeout_s)
 
