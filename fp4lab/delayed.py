@@ -64,6 +64,21 @@ class DelayedScaling:
         if not isinstance(self.margin, int) or not 0 <= self.margin <= 64:
             raise ValueError(f"margin={self.margin!r} must be an int in [0, 64]")
 
+    def refusal(self, recipe) -> str | None:
+        """Why ``recipe`` cannot scale from an amax history, or None. The history records
+        each per-tensor operand's amax as the GEMM receives it, after a fixed transform."""
+        if "random" in (recipe.signs(o) for o in recipe.operands.values()):
+            return ("delayed scaling observes each operand's amax after a fixed transform; "
+                    "hadamard_signs='random' is not supported with it")
+        if recipe.requantizes or recipe.trust:
+            return ("delayed scaling observes the operands as they come into the GEMM: "
+                    "requantizing the forward's operands and the trust mask are not "
+                    "supported with it")
+        if not recipe.delayed_operands:
+            return ("delayed scaling needs a per-tensor operand format (fp8_e4m3, fp8_e5m2, "
+                    "...); none of its operands has one")
+        return None
+
 
 def init_history(scaling: DelayedScaling) -> jax.Array:
     """The history of one GEMM before its first step: zeros ``(6, history_len)``."""

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["TE_SIGNS", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
+__all__ = ["TE_SIGNS", "rotate", "hadamard_matrix", "rht_matrix", "rht_signs_and_scale",
            "walsh_hadamard", "rht", "rht_transpose", "random_signs"]
 
 # Transformer Engine's fixed sign vector for 16-point RHT (docs/numerics.md).
@@ -143,3 +143,34 @@ def rht_transpose(y: jax.Array, axis: int, length: int, n: int = 16,
     g = y.reshape(y.shape[:axis] + (-1, n) + y.shape[axis + 1:]).astype(jnp.float32)
     x = walsh_hadamard(g, axis + 1) * c * s.reshape((n,) + (1,) * (y.ndim - 1 - axis))
     return lax.slice_in_dim(x.reshape(y.shape), 0, length, axis=axis).astype(y.dtype)
+
+
+def rotate(x: jax.Array, axis: int, n: int = 16, signs: str | int | jax.Array = "te"
+           ) -> jax.Array:
+    """:func:`rht` as a change of basis around a GEMM: the rotated ``x`` in float32 (``rht``
+    in ``x``'s dtype, then widened: the values a quantizer would see), whose gradient autodiff
+    maps back through :func:`rht_transpose` in float32 before casting to ``x``'s dtype once.
+    A forward transform that cancels in its GEMM (Quartet's) wraps the quantized GEMM this
+    way, so the GEMM itself never tracks a rotated domain."""
+    axis = axis % x.ndim
+    if isinstance(signs, jax.Array):
+        return _rotate(axis, n, None, x.shape[axis], x, signs)
+    return _rotate(axis, n, signs, x.shape[axis], x, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _rotate(axis, n, fixed, length, x, drawn):
+    return rht(x, axis, n, drawn if fixed is None else fixed).astype(jnp.float32)
+
+
+def _rotate_fwd(axis, n, fixed, length, x, drawn):
+    return _rotate(axis, n, fixed, length, x, drawn), (jnp.zeros((0,), x.dtype), drawn)
+
+
+def _rotate_bwd(axis, n, fixed, length, res, g):
+    stand_in, drawn = res
+    dx = rht_transpose(g, axis, length, n, drawn if fixed is None else fixed)
+    return dx.astype(stand_in.dtype), None if drawn is None else jnp.zeros_like(drawn)
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)

@@ -22,6 +22,7 @@ among the variables splits the GEMMs (experiments: ``train.outcontrol``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["channel_norms", "channel_order", "check_channels"]
+__all__ = ["channel_norms", "channel_order", "check_channels", "split_gemm"]
 
 
 def channel_norms(lhs, dimension_numbers) -> jax.Array:
@@ -71,3 +72,37 @@ def check_channels(channels, k: int) -> jax.Array:
             raise ValueError(f"channels is not a permutation of range({k}): it lacks "
                              f"{missing[:5].tolist()} (values {c[:8].tolist()}...)")
     return lax.convert_element_type(channels, jnp.int32)
+
+
+def split_gemm(gemm, x, w, recipe, channels, probe=None):
+    """OutControl as a composition of two ordinary quantized GEMMs (TetraJet-v2's
+    ``linear_mix.py``): canonical ``X: (B, M, K)`` and ``W: (B, K, N)`` gathered in
+    ``channels`` order and cut after the outliers; ``gemm(x, w, recipe, probe)`` (the
+    quantized GEMM, float32 out) on each part under :meth:`OutControl.recipes
+    <fp4lab.recipe.OutControl.recipes>`, summed in float32. Autodiff assembles dX and dW;
+    the gather's gradient is the inverse gather, so every element (signed zeros included)
+    comes back as its part's GEMM gave it. ``probe`` measures the rest (the recipe's) part."""
+    n = recipe.outliers.count(x.shape[-1])
+    rest, outliers = recipe.outliers.recipes(recipe)
+    x_hi, x_lo = _split(x, channels, n, 2)
+    w_hi, w_lo = _split(w, channels, n, 1)
+    return gemm(x_lo, w_lo, rest, probe) + gemm(x_hi, w_hi, outliers, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _split(t, channels, n: int, axis: int):
+    """``t``'s ``axis`` in ``channels`` order, cut after the first ``n``: (outliers, rest)."""
+    t = jnp.take(t, channels, axis=axis)
+    return lax.slice_in_dim(t, 0, n, axis=axis), lax.slice_in_dim(t, n, None, axis=axis)
+
+
+def _split_fwd(t, channels, n, axis):
+    return _split(t, channels, n, axis), channels
+
+
+def _split_bwd(n, axis, channels, g):
+    hi, lo = g
+    return jnp.take(jnp.concatenate([hi, lo], axis), jnp.argsort(channels), axis=axis), None
+
+
+_split.defvjp(_split_fwd, _split_bwd)

@@ -50,7 +50,7 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
     """The metrics rows of the operands of ``gemms`` (table order), from the canonical
     ``tensors`` by role (``x``, ``w``, ``dy``; ``fwd_x``, ``fwd_w``: the forward's quantized
     X and W, for operands requantized from them), with each operand's key, delayed amax and
-    Hadamard signs (``fp4lab.qdot.operand_signs``)."""
+    Hadamard signs (``fp4lab.operand_quant.operand_signs``)."""
     quantized = recipe.quantized_operands
     rows = []
     for o in OPERAND_TABLE:

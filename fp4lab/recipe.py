@@ -20,6 +20,7 @@ Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 from fp4lab.delayed import DelayedScaling
@@ -105,6 +106,13 @@ class SavedX:
     def __post_init__(self):
         object.__setattr__(self, "format", get_format(self.format))
 
+    def refusal(self, recipe: Recipe) -> str | None:
+        """Why ``recipe`` cannot store X this way, or None: the backward must read X."""
+        if recipe.requantizes or recipe.trust:
+            return ("saved_x stores the input X, which a backward that requantizes the "
+                    "forward's operands or applies the trust mask does not read")
+        return None
+
     def describe(self) -> str:
         return f"saved x: {self.format.name}" + (" (host)" if self.offload else "")
 
@@ -120,9 +128,11 @@ class OutControl:
     along K) and the rest as ``fprop_x``/``fprop_w`` say, each part over its channels in
     that order, and ``Y`` is the FP4 product plus the high-precision one. The wgrad GEMM
     splits the same way (rows of dW: X requantized from the forward's and dY, both in
-    ``format`` along the tokens, for the outlier channels); dgrad requantizes the whole
-    forward W (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe
-    without the split (the authors' layer before its channels are chosen).
+    ``format`` along the tokens, for the outlier channels); dgrad requantizes the forward W
+    (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe without
+    the split (the authors' layer before its channels are chosen). The split is two ordinary
+    GEMMs, one per part (:meth:`recipes`; :func:`fp4lab.outcontrol.split_gemm`): a
+    per-tensor scale in ``dgrad_w`` would be per part.
 
     ``count(K)``: with ``align=1`` (default), ``round(fraction * K)``, what the paper's
     simulated results keep (``linear_mix.py``'s comment); otherwise the authors' kernel
@@ -153,6 +163,24 @@ class OutControl:
                              f"{n} of K={k} input channels in {self.format.name}; it needs "
                              "at least one channel in each part")
         return n
+
+    def refusal(self, recipe: Recipe) -> str | None:
+        """Why ``recipe`` cannot split K this way, or None."""
+        fx, fw = recipe.fprop_x, recipe.fprop_w
+        if (fx.hadamard or fw.tile or recipe.trust or recipe.dgrad_w.source != "forward"
+                or recipe.wgrad_x.source != "forward"):
+            return ("OutControl splits the forward's K and requantizes the backward from the "
+                    "split forward: it needs forward operands without a Hadamard transform "
+                    "or 2D tile, no trust mask, and dgrad_w and wgrad_x with "
+                    "source='forward'")
+        return None
+
+    def recipes(self, recipe: Recipe) -> tuple[Recipe, Recipe]:
+        """The two GEMMs of the split: the rest channels under ``recipe`` (without the
+        split), the outlier channels with X and W in ``format`` (round to nearest, no
+        transform) in fprop and wgrad (X requantized from the forward's) and ``recipe``'s
+        dgrad operands."""
+        return _outcontrol_recipes(recipe)
 
     def describe(self) -> str:
         return (f"OutControl: top {self.fraction:.0%} of K in {self.format.name} (fprop, "
@@ -195,6 +223,12 @@ class Recipe:
                     "dgrad_w", "wgrad_x"):
                 raise ValueError(f"recipe {self.name}: {o.name} has source='forward'; only "
                                  "dgrad_w and wgrad_x can requantize the forward's operand")
+        for o in OPERAND_TABLE:
+            op = getattr(self, o.name)
+            if op.hadamard and op.hadamard != 16 and self.signs(op) == "te":
+                raise ValueError(f"recipe {self.name}: {o.name} has hadamard={op.hadamard} "
+                                 "with TE's sign vector, which has 16 entries; use "
+                                 "hadamard_signs='none', 'random' or an int seed")
         for gemm, (a, b) in (("fprop", ("fprop_x", "fprop_w")), ("dgrad", ("dgrad_dy", "dgrad_w")),
                              ("wgrad", ("wgrad_x", "wgrad_dy"))):
             oa, ob = getattr(self, a), getattr(self, b)
@@ -203,33 +237,24 @@ class Recipe:
                     f"recipe {self.name}: {a} and {b} must use the same transform (got "
                     f"hadamard {oa.hadamard}/{ob.hadamard}, signs {self.signs(oa)!r}/"
                     f"{self.signs(ob)!r}): it has to cancel in the {gemm} GEMM")
-        fx, fw = self.fprop_x, self.fprop_w
-        if self.delayed is not None and "random" in (self.signs(o) for o in
-                                                     self.operands.values()):
-            raise ValueError(f"recipe {self.name}: delayed scaling observes each operand's "
-                             "amax after a fixed transform; hadamard_signs='random' is not "
-                             "supported with it")
-        if fx.hadamard and fw.tile:
+        if self.fprop_x.hadamard and self.fprop_w.tile:
             raise ValueError(f"recipe {self.name}: a forward Hadamard transform runs along K, "
-                             f"a 2D weight tile (tile={fw.tile}) cannot follow it")
-        if (self.requantizes or self.trust) and (self.backward == "ste" or self.saved_x
-                                                 or self.delayed):
-            raise ValueError(f"recipe {self.name}: requantizing the forward's operands and "
-                             "the trust mask need backward='quantized', no saved_x and no "
-                             "delayed scaling")
-        if self.outliers is not None and (
-                fx.hadamard or fw.hadamard or fw.tile or self.trust
-                or self.dgrad_w.source != "forward" or self.wgrad_x.source != "forward"):
-            raise ValueError(f"recipe {self.name}: OutControl splits the forward's K and "
-                             "requantizes the backward from the split forward: it needs "
-                             "forward operands without a Hadamard transform or 2D tile, no "
-                             "trust mask, and dgrad_w and wgrad_x with source='forward'")
-        if self.saved_x is not None and self.backward == "ste":
-            raise ValueError(f"recipe {self.name}: saved_x needs backward='quantized' (a QAT "
-                             "recipe's backward uses the quantized forward operands)")
-        if self.delayed is not None and not self.delayed_operands:
-            raise ValueError(f"recipe {self.name}: delayed scaling needs a per-tensor operand "
-                             "format (fp8_e4m3, fp8_e5m2, ...); none of its operands has one")
+                             f"a 2D weight tile (tile={self.fprop_w.tile}) cannot follow it")
+        if self.backward == "ste" and (self.requantizes or self.trust or self.saved_x):
+            raise ValueError(f"recipe {self.name}: a QAT backward (backward='ste') has no "
+                             "backward GEMMs, so nothing to requantize, mask or save: "
+                             "saved_x, source='forward' and the trust mask need "
+                             "backward='quantized'")
+        for feature in self.features:
+            reason = feature.refusal(self)
+            if reason:
+                raise ValueError(f"recipe {self.name}: {reason}")
+
+    @property
+    def features(self) -> tuple:
+        """The recipe's features beyond its operand formats (delayed scaling, saved X,
+        OutControl): each says by its ``refusal(recipe)`` what it cannot be combined with."""
+        return tuple(f for f in (self.delayed, self.saved_x, self.outliers) if f is not None)
 
     def signs(self, op: OperandQuant) -> str | int:
         """The sign vector of ``op``'s Hadamard transform (its own, else the recipe's)."""
@@ -285,6 +310,16 @@ class Recipe:
         if self.outliers:
             text += f"; {self.outliers.describe()}"
         return text
+
+
+@functools.lru_cache(maxsize=None)
+def _outcontrol_recipes(recipe: Recipe) -> tuple[Recipe, Recipe]:
+    high = OperandQuant(format=recipe.outliers.format)
+    rest = dataclasses.replace(recipe, outliers=None)
+    outliers = dataclasses.replace(
+        rest, name=f"{recipe.name}:outliers", fprop_x=high, fprop_w=high,
+        wgrad_x=dataclasses.replace(high, source="forward"), wgrad_dy=high)
+    return rest, outliers
 
 
 def _uniform(name, fmt, follows, **kw) -> Recipe:

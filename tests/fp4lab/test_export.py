@@ -19,7 +19,7 @@ from adversarial import cases
 import fp4lab
 from fp4lab import export
 from fp4lab.policy import PrecisionPolicy, Rule
-from fp4lab.qdot import quantize_operand
+from fp4lab.operand_quant import quantize_operand
 from fp4lab.recipe import OperandQuant, get_recipe
 
 gguf = pytest.importorskip("gguf")

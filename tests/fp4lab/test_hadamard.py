@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4lab.hadamard import TE_SIGNS, hadamard_matrix, rht, rht_matrix
+from fp4lab.hadamard import TE_SIGNS, hadamard_matrix, random_signs, rht, rht_matrix, rht_transpose, rotate
 
 
 def numpy_rht_groups(g, signs, n):
@@ -103,3 +103,23 @@ def test_rht_transpose_is_the_transpose_of_the_dense_matrix(signs):
     x = jax.random.normal(jax.random.key(2), (2, 27))
     back = rht_transpose(rht(x, 1, 16, s), 1, 27, 16, s)
     np.testing.assert_allclose(np.asarray(back), np.asarray(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("signs", ["te", "random"])
+def test_rotate_is_rht_widened_and_its_gradient_is_the_float32_transpose(dtype, signs):
+    """``rotate`` (a forward transform wrapped around a GEMM): the values ``rht`` gives in
+    the input's dtype, in float32; the gradient ``rht_transpose`` of the float32 cotangent,
+    cast once to the input's dtype (not rounded to it before the transpose), bit for bit,
+    with K cut back from its padding (20 -> 32)."""
+    if signs == "random":
+        signs = random_signs(jax.random.key(3), 16)
+    x = jax.random.normal(jax.random.key(0), (5, 20)).astype(dtype)
+    g = jax.random.normal(jax.random.key(1), (5, 32), jnp.float32) * 1e3
+    y, vjp = jax.vjp(lambda t: rotate(t, 1, 16, signs), x)
+    assert y.dtype == jnp.float32 and y.shape == (5, 32)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(rht(x, 1, 16, signs), np.float32))
+    (dx,) = vjp(g)
+    assert dx.dtype == dtype
+    want = rht_transpose(g, 1, 20, 16, signs).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(dx).view(np.uint8), np.asarray(want).view(np.uint8))

@@ -1,5 +1,7 @@
 """fp4lab.qdot: forward and gradients against an oracle built here from quantize/dequantize/dot."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,21 +86,36 @@ def trust_oracle(v, op, axis):
 
 def oracle(x, w, g, recipe, key):
     """(y, dx, dw) for Y = X W with X (M,K), W (K,N), dY (M,N); keys fold_in(key, 0..5).
-    Operands ``source="forward"`` requantize the forward's X or W; with a forward transform
-    the backward GEMMs give gradients in its domain, mapped back by ``Tb^T`` (dX) and ``Tb``
-    (dW) after the trust mask (Quartet)."""
+    A forward transform is a change of basis around the GEMM: every GEMM runs on the rotated
+    X and W (``rht`` in their dtype, widened to float32), and the gradients with respect to
+    them map back by ``Tb^T`` (dX) and ``Tb`` (dW), in float64 here."""
     r = get_recipe(recipe)
+    n_h = r.fprop_x.hadamard
+    if not n_h:
+        return oracle_in_basis(x, w, g, r, key)
+    sx = signs_of(r, "fprop_x", key)
+    plain = dataclasses.replace(r, fprop_x=dataclasses.replace(r.fprop_x, hadamard=0),
+                                fprop_w=dataclasses.replace(r.fprop_w, hadamard=0))
+    xr, wr = (rht(t, axis, n_h, sx).astype(jnp.float32) for t, axis in ((x, 1), (w, 0)))
+    y, dx, dw = oracle_in_basis(xr, wr, g, plain, key)
+    tb = block_diagonal_rht(xr.shape[1], n_h, sx)
+    dx = jnp.asarray((np.asarray(dx, np.float64) @ tb.T)[:, :x.shape[1]], jnp.float32)
+    dw = jnp.asarray((tb @ np.asarray(dw, np.float64))[:w.shape[0]], jnp.float32)
+    return y, dx, dw
+
+
+def oracle_in_basis(x, w, g, r, key):
+    """The oracle of a recipe without a forward transform. Operands ``source="forward"``
+    requantize the forward's X or W; the trust mask zeroes dX and dW where the forward
+    quantizers clipped X and W (Quartet)."""
     k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
     h = history_for(r)
     a = [None if h is None else jnp.max(h[i]) for i in range(6)]
-    sx = signs_of(r, "fprop_x", key)
-    xq = oracle_operand(x, r.fprop_x, 1, k[0], sx, amax=a[0])
-    wq = oracle_operand(w, r.fprop_w, 0, k[1], sx, amax=a[1])
+    xq = oracle_operand(x, r.fprop_x, 1, k[0], amax=a[0])
+    wq = oracle_operand(w, r.fprop_w, 0, k[1], amax=a[1])
     y = dot(xq, wq)
     if r.backward == "ste":
         return y, dot(g, wq.T), dot(xq.T, g)
-    n_h = r.fprop_x.hadamard
-    tb = block_diagonal_rht(xq.shape[1], n_h, sx) if n_h else None
     dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], signs_of(r, "dgrad_dy", key), amax=a[2])
     if r.dgrad_w.source == "forward":
         wq2 = oracle_operand(wq, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key))
@@ -106,13 +123,9 @@ def oracle(x, w, g, recipe, key):
         wq2 = wq
     else:
         wq2 = oracle_operand(w, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key), amax=a[3])
-        if r.trust and n_h:
-            wq2 = jnp.asarray(tb.T @ np.asarray(wq2, np.float64), jnp.float32)
     dx = dot(dyq, wq2.T)
     if r.trust:
-        dx = jnp.where(trust_oracle(rht(x, 1, n_h, sx) if n_h else x, r.fprop_x, 1), dx, 0)
-    if tb is not None:
-        dx = jnp.asarray((np.asarray(dx, np.float64) @ tb.T)[:, :x.shape[1]], jnp.float32)
+        dx = jnp.where(trust_oracle(x, r.fprop_x, 1), dx, 0)
     if r.saved_x is not None:  # the backward pass finds X as stored: DQ(Q(X)) along K
         x = oracle_operand(x, OperandQuant(format=r.saved_x.format), 1, None).astype(x.dtype)
     x_src = xq if r.wgrad_x.source == "forward" else x
@@ -120,11 +133,7 @@ def oracle(x, w, g, recipe, key):
     dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], signs_of(r, "wgrad_dy", key), amax=a[5])
     dw = dot(xq3.T, dyq3)
     if r.trust:
-        if r.wgrad_x.source != "forward" and n_h:
-            dw = jnp.asarray(tb.T @ np.asarray(dw, np.float64), jnp.float32)
-        dw = jnp.where(trust_oracle(rht(w, 0, n_h, sx) if n_h else w, r.fprop_w, 0), dw, 0)
-    if tb is not None:
-        dw = jnp.asarray((tb @ np.asarray(dw, np.float64))[:w.shape[0]], jnp.float32)
+        dw = jnp.where(trust_oracle(w, r.fprop_w, 0), dw, 0)
     return y, dx, dw
 
 
@@ -151,9 +160,30 @@ def run(x, w, g, recipe, key):
     return y, dx, dw
 
 
+def _custom(name, fwd, bwd, **kw):
+    return fp4lab.Recipe(name=name, fprop_x=fwd, fprop_w=fwd, dgrad_dy=bwd, dgrad_w=bwd,
+                         wgrad_x=bwd, wgrad_dy=bwd, **kw)
+
+
+# recipes no paper publishes that combine the features in other ways: a forward transform
+# with a backward from the inputs (it sees the rotated X and W) or with QAT, the trust mask
+# without a transform, fixed random signs in the forward
+CUSTOM = [
+    _custom("rht_forward_from_input", OperandQuant(format="nvfp4", hadamard=16),
+            OperandQuant(format="nvfp4", rounding="stochastic")),
+    _custom("rht_forward_qat", OperandQuant(format="mxfp4", hadamard=32),
+            OperandQuant(format="bf16"), backward="ste", hadamard_signs=7),
+    _custom("trust_from_input", OperandQuant(format="quest_mxfp4"),
+            OperandQuant(format="mxfp4", hadamard=16), trust=True),
+    _custom("rht_forward_random_trust", OperandQuant(format="mxfp4", hadamard=32),
+            OperandQuant(format="mxfp8", source="input"), trust=True, hadamard_signs="random"),
+]
+
+
 # (tetrajet_v2_outcontrol without channels is tetrajet_v2 bit for bit, and with them has its
 # own oracle: tests/fp4lab/test_outcontrol.py)
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPES[r].outliers is None])
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPES[r].outliers is None] + CUSTOM,
+                         ids=lambda r: getattr(r, "name", r))
 def test_forward_and_gradients_equal_the_oracle(recipe):
     x, w, g = data()
     key = jax.random.key(7)

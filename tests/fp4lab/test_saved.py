@@ -109,7 +109,7 @@ def test_inputs_the_backward_does_not_read_are_not_saved():
 def test_bad_storage_is_named():
     with pytest.raises(ValueError, match="unknown format 'e9m9'"):
         SavedX("e9m9")
-    with pytest.raises(ValueError, match="saved_x needs backward='quantized'"):
+    with pytest.raises(ValueError, match="saved_x, source='forward' and the trust mask need backward='quantized'"):
         dataclasses.replace(get_recipe("fp4_qat"), saved_x=SavedX())
 
 

@@ -1,0 +1,103 @@
+"""How a quantized GEMM quantizes each of its six operands: one key and one Hadamard sign
+vector per operand and call, the delayed-scaling amax, and :func:`quantize_operand` (an
+optional RHT, then a cast or fake quantization). Every core GEMM (``qdot_general``'s, and a
+grouped GEMM's) quantizes through this module, so a recipe means the same in each.
+
+Randomness: ``key`` is folded in per operand (6 streams), so the two stochastically rounded
+gradient operands never share bits; callers fold in the layer (Flax rng streams do this)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp4lab import backend as _backend
+from fp4lab.delayed import history_amax
+from fp4lab.hadamard import random_signs, rht
+from fp4lab.quantize import dequantize, fake_quant_operand
+from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
+
+__all__ = ["AXIS", "OperandContext", "operand_keys", "operand_signs", "quantize_operand"]
+
+AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
+
+
+def operand_keys(key) -> dict[str, jax.Array | None]:
+    """One independent key per GEMM operand, derived deterministically from ``key``."""
+    if key is None:
+        return dict.fromkeys(OPERANDS)
+    return {name: jax.random.fold_in(key, i) for i, name in enumerate(OPERANDS)}
+
+
+_GEMM_INDEX = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+
+
+def operand_signs(recipe: Recipe, key) -> dict:
+    """Each operand's Hadamard sign vector: the recipe's fixed one (``"te"``, ``"none"``, a
+    seed), or for ``"random"`` a vector drawn from ``key`` per GEMM and call, shared by the
+    GEMM's two operands so that the transform cancels (the authors of Quartet, Quartet II and
+    TetraJet-v2 redraw theirs at every call)."""
+    out = {}
+    for o in OPERAND_TABLE:
+        op = recipe.operands[o.name]
+        s = recipe.signs(op)
+        if s == "random" and op.hadamard:
+            s = random_signs(jax.random.fold_in(key, len(OPERANDS) + _GEMM_INDEX[o.gemm]),
+                             op.hadamard)
+        out[o.name] = s
+    return out
+
+
+def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
+                     backend: str = "auto", global_amax=None) -> jax.Array:
+    """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
+    cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values).
+
+    On the kernel backend, an NVFP4 operand with a 16-point RHT blocked along the token axis
+    of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
+    the fused RHT + quantize (+ SR) kernel of ``pallas_kernels.rht``. ``global_amax``: the
+    per-tensor amax to scale for (delayed scaling), instead of the operand's own."""
+    if (op.hadamard and axis == 1 and x.ndim == 3 and not op.tile and global_amax is None
+            and not isinstance(signs, jax.Array)):
+        tokens_first = x[0] if x.shape[0] == 1 else x  # the kernel takes one matrix
+        kernel = _backend.decide(backend, _backend.Request(
+            op="rht_quantize", format=op.format, shape=tokens_first.shape, axis=-2,
+            rounding=op.rounding, transform=op.hadamard), strict=True)
+        if kernel is not None:
+            q = kernel.fn(tokens_first, op.format, key, rounding=op.rounding, signs=signs)
+            return dequantize(q, jnp.float32, backend=backend).T[None]
+    if op.hadamard:
+        x = rht(x, axis, op.hadamard, signs)
+    if op.format.is_passthrough:
+        if op.rounding == "stochastic":  # SR onto the BF16/FP16 grid
+            return fake_quant_operand(x.astype(jnp.float32), op.format, rounding="stochastic",
+                                      key=key).astype(op.format.element.storage)
+        return x.astype(op.format.element.storage)
+    axis = -1 if op.tile else axis % x.ndim - x.ndim
+    # in a GEMM, "pallas" means kernels where they exist: an operand without one falls back
+    # to XLA with a KernelFallback warning instead of failing the whole GEMM
+    return fake_quant_operand(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
+                              rounding=op.rounding, key=key, backend=backend,
+                              global_amax=global_amax, strict=True)
+
+
+
+class OperandContext(NamedTuple):
+    """Per call: each operand's key, delayed-scaling amax and Hadamard signs."""
+
+    keys: dict
+    amax: dict
+    signs: dict
+
+    @classmethod
+    def of(cls, recipe: Recipe, key, history) -> OperandContext:
+        amax = dict.fromkeys(OPERANDS)
+        for name in recipe.delayed_operands:
+            amax[name] = history_amax(history[OPERANDS.index(name)], recipe.delayed)
+        return cls(operand_keys(key), amax, operand_signs(recipe, key))
+
+    def quantize(self, name: str, t, recipe: Recipe, backend):
+        return quantize_operand(t, recipe.operands[name], AXIS[name], self.keys[name],
+                                self.signs[name], backend, self.amax[name])
