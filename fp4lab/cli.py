@@ -54,9 +54,10 @@ def format_rows() -> list[dict[str, str]]:
         scale = {"none": "-", "tensor": "fp32/tensor"}.get(f.granularity)
         if scale is None:
             unit = f"{f.block}" if f.granularity == "block" else "channel"
-            scale = f"{f.scaling.scale_name}/{unit}"
+            scale = f"{f.scaling.storage.name}/{unit}"
         if f.has_global_scale:
-            scale += " + fp32/row" if f.scaling.amax_per_slice else " + fp32/tensor"
+            per = {"slice": "row"}.get(f.scaling.outer_amax, f.scaling.outer_amax)
+            scale += f" + fp32/{per}"
         rows.append({
             "format": f.name,
             "element": el.name,

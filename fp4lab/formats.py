@@ -192,13 +192,13 @@ class Format:
     @property
     def has_global_scale(self) -> bool:
         """True when the format carries a per-tensor scale besides its block scales (NVFP4)."""
-        return self.scaling.uses_tensor_amax
+        return self.scaling.outer_amax is not None
 
     def bits_per_element(self, axis_length: int | None = None) -> float:
         """Storage bits per element including block scales (the per-tensor FP32 scale of NVFP4
         and of per-tensor FP8 is amortized to ~0 and not counted). ``channel`` granularity
         needs the channel length; ``nan`` is returned without it."""
-        scale_bits = self.scaling.scale_bits
+        scale_bits = self.scaling.storage.bits
         if self.granularity == "block":
             return self.element.bits + scale_bits / self.block
         if self.granularity == "channel":

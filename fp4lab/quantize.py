@@ -209,10 +209,11 @@ def check_arguments(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
         if fmt.is_passthrough and fmt.element.name not in ("bf16", "fp16"):
             raise ValueError(f"rounding='stochastic' is not supported for pass-through format "
                              f"{fmt.name} (only bf16 and fp16)")
-    if fmt.block and fmt.scaling.amax_group % fmt.block:
-        raise ValueError(f"format {fmt.name}: amax_group={fmt.scaling.amax_group} is not a "
+    outer = fmt.scaling.outer_amax
+    if fmt.block and isinstance(outer, int) and outer % fmt.block:
+        raise ValueError(f"format {fmt.name}: an outer amax per {outer} elements is not a "
                          f"multiple of its block {fmt.block}")
-    if (fmt.scaling.amax_per_slice or fmt.scaling.amax_group) and (
+    if (outer == "slice" or isinstance(outer, int)) and (
             tile is not None or global_amax is not None):
         raise ValueError(f"format {fmt.name} takes its amax per slice along the block axis: "
                          f"no 2D tile (got tile={tile}) and no global_amax")
@@ -279,24 +280,15 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
     scheme, elem = fmt.scaling, fmt.element
     xb = to_blocks(x.astype(jnp.float32), g)
     stat = scheme.statistic(xb, g.reduce_axes)
-    tensor_amax = None
     if global_amax is not None:
         global_amax = jnp.asarray(global_amax, jnp.float32)
-    if scheme.amax_per_slice:  # over the block axis's blocks, one per slice (keepdims)
-        (inner,) = g.reduce_axes
-        tensor_amax = rnd.abs_max(stat, axis=(inner - 1, inner), keepdims=True)
-    elif scheme.amax_group:  # one per amax_group elements along the block axis, per block
-        (inner,) = g.reduce_axes
-        tensor_amax = group_blocks(stat, inner, scheme.amax_group // g.block[0],
-                                   lambda s, a: rnd.abs_max(s, axis=a, keepdims=True))
-    elif scheme.uses_tensor_amax:
-        tensor_amax = global_amax if global_amax is not None else rnd.abs_max(stat)
-    elif global_amax is not None:  # per-tensor scaling with a given amax
+    tensor_amax = _outer_amax(scheme.outer_amax, stat, g, global_amax)
+    if scheme.outer_amax is None and global_amax is not None:  # per-tensor scaling, given amax
         stat = jnp.broadcast_to(global_amax, stat.shape)
     u_scale = None
     if scheme.stochastic_scale and rounding == "stochastic":
         u_scale = rnd.uniform(key, stat.shape)  # one per block: the scale is rounded
-    scale, mult = scheme.encode_blocks(xb, stat, tensor_amax, elem, g.reduce_axes, u_scale)
+    scale, mult = scheme.encode(xb, stat, tensor_amax, elem, g.reduce_axes, u_scale)
     v = scheme.scale_elements(xb, mult)
     if rounding == "stochastic" and not scheme.stochastic_scale:
         q = scheme.round_stochastic(v, elem, rnd.uniform(key, v.shape))
@@ -305,6 +297,21 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
     if elem.kind == "int":
         q = jnp.where(q == 0, 0.0, q)  # integers have no -0
     return Blocks(v, q, scale, tensor_amax)
+
+
+def _outer_amax(outer, stat, g: Geometry, global_amax):
+    """The outer amax a scheme's block scales take (``ScaleScheme.outer_amax``), keepdims:
+    None; the tensor's (or the given ``global_amax``); one per slice along the block axis;
+    or one per ``outer`` elements along it, broadcast to its blocks."""
+    if outer is None:
+        return None
+    if outer == "tensor":
+        return global_amax if global_amax is not None else rnd.abs_max(stat)
+    (inner,) = g.reduce_axes
+    if outer == "slice":  # over the block axis's blocks (keepdims)
+        return rnd.abs_max(stat, axis=(inner - 1, inner), keepdims=True)
+    return group_blocks(stat, inner, outer // g.block[0],
+                        lambda s, a: rnd.abs_max(s, axis=a, keepdims=True))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "axis"))

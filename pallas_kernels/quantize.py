@@ -4,7 +4,7 @@ E5M2; rceil and floor scales) and MXFP4, along the last axis; and dequantization
 Each kernel reads a ``(block_rows, block_cols)`` tile of the input once and writes the codes
 (E2M1 packed two per byte, or FP8) and the block scales of that tile: one pass over the data
 instead of XLA's several. The reference each kernel must equal bit for bit is
-:func:`fp4lab.quantize` (``fp4lab/scaling.py`` for the scales, ``fp4lab/rounding.py`` for the
+:func:`fp4lab.quantize` (``fp4lab/scaling/`` for the scales, ``fp4lab/rounding.py`` for the
 elements); ``tests/pallas_kernels/test_quantize_kernels.py`` checks that in interpret mode
 (CPU, CI) and on the GPU when there is one.
 
@@ -207,7 +207,7 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
     packed = fmt.element.packed
     q_cols = tk // 2 if packed else tk
     q_dtype = jnp.uint8 if packed else fmt.element.storage
-    scale_dtype = fmt.scaling.scale_dtype
+    scale_dtype = fmt.scaling.storage.dtype
     out_shape = [jax.ShapeDtypeStruct((mp, kp // tk * q_cols), q_dtype),
                  jax.ShapeDtypeStruct((mp, kp // block), scale_dtype)]
     out_specs = [pl.BlockSpec((tm, q_cols), lambda i, j: (i, j)),
@@ -295,7 +295,7 @@ def _quantize_2d(w, global_amax, *, fmt: Format, tile, cfg: KernelConfig, interp
     w2, (mp, kp) = padded_matrix(w, tm, tk)
     amax = _tensor_amax(w, global_amax)
     kernel = functools.partial(_nvfp4_2d_kernel, tile=tile, interpret=interpret)
-    scale = fmt.scaling.scale_dtype
+    scale = fmt.scaling.storage.dtype
     q, s, qt, st = pl.pallas_call(
         kernel, grid=(mp // tm, kp // tk),
         out_shape=[jax.ShapeDtypeStruct((mp, kp // 2), jnp.uint8),

@@ -136,7 +136,7 @@ def nvfp4_block_factors(b: Blocks) -> np.ndarray:
     when amax is 0), from the core's NVFP4 scheme itself."""
     fmt = get_format("nvfp4")
     s = jnp.asarray(b.scales)
-    (m,) = fmt.scaling.decode(s, jnp.float32(b.amax), fmt.element)
+    (m,) = fmt.scaling.multipliers(s, jnp.float32(b.amax), fmt.element)
     return np.asarray(m)
 
 
