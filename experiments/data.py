@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["TextData", "TokenData", "load_text", "load_tokens", "load_data", "split_documents",
-           "stdlib_files", "Batch", "default_val_path", "LLMC_MAGICS"]
+           "stdlib_files", "Batch", "default_val_path", "LLMC_MAGICS",
+           "max_token"]
 
 VOCAB = 256
 SEPARATOR = 0
@@ -293,7 +294,7 @@ def _open_tokens(path: Path, token_format: str) -> tuple[np.ndarray, str]:
     return np.memmap(path, dtype, "r", offset, (count,)), fmt
 
 
-def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     """The largest id, read ``chunk`` tokens at a time (-1 for none)."""
     return max((int(tokens[i:i + chunk].max()) for i in range(0, tokens.size, chunk)),
                default=-1)
@@ -339,7 +340,7 @@ def _resolve_vocab(vocab_size: int, train: np.ndarray, val: np.ndarray,
     found = _vocab_from_metadata(folder)
     if found:
         return found
-    return max(_max_token(train), _max_token(val)) + 1, "the largest token id + 1"
+    return max(max_token(train), max_token(val)) + 1, "the largest token id + 1"
 
 
 def load_tokens(path, *, val_path=None, token_format: str = "auto", vocab_size: int = 0,

@@ -1,5 +1,5 @@
 """Will a run's training step fit in memory? An estimate, checked before anything is
-initialized or compiled (:func:`check_memory`, from ``experiments.train.check_data``).
+initialized or compiled (:func:`check_memory`, from ``experiments.run_spec.check_data``).
 
 ``data.seq_len=100000`` on the default corpus passes every other check, and XLA then
 compiles (and ``model.init`` first runs) a step whose einsum attention alone holds

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-__all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS"]
+__all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS", "recurrent_scan", "ssm_combine"]
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 SSM_STATE_FORMATS = ("", "fp32", "bf16", "fp16", "int8_block128", "fp8_block128")
@@ -215,7 +215,7 @@ def _store_state(h_BxHxPxN, fmt: str, rounding: str, key):
     return fake_quant(flat, fmt, axis=-1, **kw).reshape(shape)
 
 
-def _recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, fmt: str, rounding: str, key):
+def recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, fmt: str, rounding: str, key):
     """``h_t = store(a_t h_{t-1} + b_t)`` one step at a time (a decode path's arithmetic); the
     key of step ``t`` is ``fold_in(key, t)``."""
     def step(h, xs):
@@ -231,7 +231,7 @@ def _recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, fmt: str, rounding: str, key
     return hs.swapaxes(0, 1)
 
 
-def _ssm_combine(left, right):
+def ssm_combine(left, right):
     """Compose two steps of ``h -> a h + b`` (left first)."""
     a1, b1 = left
     a2, b2 = right
@@ -276,11 +276,11 @@ class Mamba2(nn.Module):
         if cfg.ssm_state_format:
             key = (self.make_rng("ssm_state") if cfg.ssm_state_rounding == "stochastic"
                    else None)
-            h_BxLxHxPxN = _recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, cfg.ssm_state_format,
+            h_BxLxHxPxN = recurrent_scan(decay_BxLxHxPxN, inp_BxLxHxPxN, cfg.ssm_state_format,
                                           cfg.ssm_state_rounding, key)
         else:
             _, h_BxLxHxPxN = jax.lax.associative_scan(
-                _ssm_combine, (decay_BxLxHxPxN, inp_BxLxHxPxN), axis=1)
+                ssm_combine, (decay_BxLxHxPxN, inp_BxLxHxPxN), axis=1)
         y_BxLxHxP = (jnp.einsum("blhpn,bln->blhp", h_BxLxHxPxN, ssm_c_BxLxN)
                      + x_BxLxHxP * skip_H[:, None])
         y_BxLxE = (y_BxLxHxP.reshape(batch, length, inner)

@@ -6,10 +6,10 @@ command line they share.
 its data and the parameters of its latest checkpoint, and nothing else: no optimizer state,
 no quantized or BF16 twin model, no probes. A run whose policy no longer says what it trained
 under (an edited ``file:`` policy, a named policy changed in the code) is refused, as
-resuming it would be (``experiments.train.resolve_policy``).
+resuming it would be (``experiments.run_spec.resolve_policy``).
 
 This module is also the one place a run's own files are read back, by :func:`load_run` and
-by ``experiments.train`` (a resumed run, :func:`experiments.train.restore_params`):
+by ``experiments.train`` (a resumed run, :func:`experiments.checkpoints.restore_params`):
 :func:`read_run_json` reads ``config.json`` (and ``run_info.json``), and every restore of a
 checkpoint goes through :func:`restore_checkpoint`. A damaged or incomplete run (a file cut
 short by a full disk or an interrupted copy, data files emptied or deleted) is then one
@@ -45,7 +45,7 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A finished run: its folder (absolute), its config as stored (``config.json``: with
-    what it resolved to, ``experiments.train.config_record``), the float32 parameters of its
+    what it resolved to, ``experiments.run_spec.config_record``), the float32 parameters of its
     latest checkpoint and its data (the corpus it trained on, validation split included)."""
 
     workdir: Path
@@ -61,7 +61,8 @@ def load_run(workdir) -> Run:
     :func:`check_checkpoint`)."""
     from experiments.model import HybridLM
     from experiments.step import model_config
-    from experiments.train import resolve_policy, restore_params
+    from experiments.checkpoints import restore_params
+    from experiments.run_spec import resolve_policy
 
     workdir = Path(workdir).resolve()
     if not (workdir / "config.json").exists():
@@ -259,7 +260,7 @@ def _step_remedy(ckpt: Path, step: int) -> str:
 def restore_checkpoint(workdir, step: int, restore: Callable[[], T]) -> T:
     """``restore()`` (orbax's restore of checkpoint ``step`` of the run in ``workdir``): every
     reader of a run's checkpoint goes through here (:func:`load_run`, a resumed training,
-    ``experiments.train.restore_params``). First :func:`check_checkpoint`; then an error
+    ``experiments.checkpoints.restore_params``). First :func:`check_checkpoint`; then an error
     orbax or TensorStore raises about the step's files (damage the check cannot see, such as
     bytes changed in place) becomes the same one line, with what TensorStore could not read.
     The error is raised outside the handler, with no context: orbax's would keep its failed

@@ -31,7 +31,8 @@ from experiments.optimizers import make_optimizer
 from fp4lab import delayed, osci_reset, outcontrol
 
 __all__ = ["TrainState", "GradReduce", "model_config", "make_optimizer", "make_loss",
-           "make_grad_fn", "make_step", "make_eval", "OutControlSchedule", "channel_norms_zeros"]
+           "make_grad_fn", "make_step", "make_eval", "OutControlSchedule", "channel_norms_zeros",
+           "recorded_channel_norms"]
 
 
 @flax.struct.dataclass
@@ -95,7 +96,7 @@ class _Split:
                                  **kwargs)
 
 
-def _recorded(qmodel, params, history, norms, tokens, key):
+def recorded_channel_norms(qmodel, params, history, norms, tokens, key):
     """``norms`` plus this step's input-channel norms of every OutControl GEMM (a forward
     pass of the step's own inputs, key and amax histories: the activations it trains on)."""
     variables = {"params": params, "channel_norms": norms}
@@ -300,7 +301,7 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
             delayed.update(state.amax_history, seen), state.amax_history)
         norms = state.channel_norms
         if phase == "record":
-            norms = keep(_recorded(qmodel, state.params, state.amax_history, norms, tokens,
+            norms = keep(recorded_channel_norms(qmodel, state.params, state.amax_history, norms, tokens,
                                    key), norms)
         new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
                          params=keep(params, state.params),

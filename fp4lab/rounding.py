@@ -33,6 +33,7 @@ __all__ = [
     "abs_max",
     "opaque",
     "div",
+    "div_rn_bits",
     "round_nearest",
     "round_stochastic",
     "round_to_bf16",
@@ -299,7 +300,7 @@ def _swap_halves(codes: jax.Array, axis: int, n: int, *, split: bool) -> jax.Arr
 # --------------------------------------------------------------------------- exact division
 
 
-def _div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+def div_rn_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     """IEEE float32 ``a / b`` (round to nearest even) from integer operations only.
 
     XLA on NVIDIA GPUs compiles float32 division to an approximate instruction (measured on
@@ -384,7 +385,7 @@ def div(a, b) -> jax.Array:
     """Correctly rounded float32 ``a / b`` on every platform, out of reach of XLA's rewrites.
 
     The quotient is XLA's own division on CPU (IEEE there; subject to XLA:CPU's FTZ/DAZ like
-    every other operation) and the integer long division of :func:`_div_rn_bits` on GPUs,
+    every other operation) and the integer long division of :func:`div_rn_bits` on GPUs,
     whose XLA division is approximate. Both operands and the quotient pass through
     :func:`opaque`: XLA's algebraic simplifier rewrites a division by a constant or by a
     broadcast scalar into a multiplication by its reciprocal (``amax / 127`` became
@@ -395,5 +396,5 @@ def div(a, b) -> jax.Array:
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     a, b = opaque(a, b)
     q = lax.platform_dependent(
-        a, b, cpu=lambda a, b: a / b, default=lambda a, b: from_bits(_div_rn_bits(a, b)))
+        a, b, cpu=lambda a, b: a / b, default=lambda a, b: from_bits(div_rn_bits(a, b)))
     return opaque(q)

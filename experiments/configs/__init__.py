@@ -103,7 +103,7 @@ def load_config(path: str | Path, overrides=()) -> ml_collections.ConfigDict:
 # and seed in precision.policy and seed, which are part of it)
 NOT_PART_OF_THE_RUN = ("compile_cache", "sweep")
 # what a run's config.json records of its resolved policy: its rules are compared through
-# their hash, precision.policy_sha256 (experiments.train.config_record)
+# their hash, precision.policy_sha256 (experiments.run_spec.config_record)
 POLICY_HASH, POLICY_RULES = "precision.policy_sha256", "precision.policy_rules"
 
 

@@ -11,7 +11,7 @@ from experiments.cli import command
 from experiments.sweep.report import write_reports
 from experiments.sweep.run import collect_results, run_sweep
 
-__all__ = ["parse_shard", "main"]
+__all__ = ["parse_shard", "parser", "main"]
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -30,7 +30,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep",
                                  description="Train one model under several precision "
                                              "policies and compare.")
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 def _arguments(argv):
     """The parsed command line and its shard (``None``: all runs); a contradiction or a
     missing ``--report`` folder is the user's mistake."""
-    ap = _parser()
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         shard = None if args.shard is None else parse_shard(args.shard)

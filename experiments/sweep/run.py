@@ -17,14 +17,14 @@ from pathlib import Path
 
 import jax
 
-from experiments.data import TextData, load_data
+from experiments.data import load_data
 from experiments.records import write_json_atomic
-from experiments.step import model_config
+from experiments.run_spec import RunSpec, describe_changes, specify, stored_changes
+from experiments.runs import read_run_json
 from experiments.sweep.plan import PlannedRun, planned_runs, run_config
 from experiments.sweep.report import write_reports
 from experiments.sweep.result import RunResult, identity
-from experiments.train import (check_config, check_data, config_record, describe_changes,
-                               resolve_policy, stored_changes, train)
+from experiments.train import train
 
 __all__ = ["check_plan", "run_sweep", "collect_results"]
 
@@ -38,42 +38,42 @@ def _check_compare(config, runs: list[PlannedRun]) -> None:
                              f"sweep runs ({', '.join(sorted(named))})")
 
 
-def check_plan(config, runs: list[PlannedRun], runs_dir: Path) -> dict[str, TextData]:
+def check_plan(config, runs: list[PlannedRun], runs_dir: Path) -> dict[str, RunSpec]:
     """Check every run of the plan before any trains (a mistake fails now, not after hours
     of earlier runs): its config, its policy, its data (loaded once per ``data`` section),
     the devices, and the run stored in its folder, which is reused or resumed only if it was
     trained with the same config and a policy that says the same (its hash). Returns each
-    run's data, by run name."""
+    run's checked :class:`~experiments.run_spec.RunSpec`, by run name: what ``train`` takes."""
     _check_compare(config, runs)
-    loaded, data = {}, {}
+    loaded, specs = {}, {}
+
+    def load_once(d):  # the data of each data section, loaded once
+        key = json.dumps(d.to_dict(), sort_keys=True, default=str)
+        if key not in loaded:
+            loaded[key] = load_data(d)
+        return loaded[key]
+
     for run in runs:
         c = run_config(config, run)  # a variant's unknown key fails here
         try:
-            check_config(c)
-            policy = resolve_policy(c)
-            key = json.dumps(c.data.to_dict(), sort_keys=True, default=str)
-            if key not in loaded:
-                loaded[key] = load_data(c.data)
-            data[run.name] = loaded[key]
-            check_data(c, data[run.name], jax.device_count())
-            model_config(c, data[run.name])  # the model section
+            spec = specify(c, load=load_once)
         except ValueError as e:
             raise ValueError(f"sweep run {run.name!r}: {e}") from e
-        record = config_record(c, data[run.name], policy)
-        changes = stored_changes(runs_dir / run.name, record, data[run.name])
+        changes = stored_changes(runs_dir / run.name, spec.record, spec.data)
         if changes:
             raise ValueError(f"{runs_dir / run.name} holds {describe_changes(changes, run.policy)}"
                              ": its results are not this sweep's. Use another --out, or "
                              "remove that folder to train the run again")
-    return data
+        specs[run.name] = spec
+    return specs
 
 
 def _stored(done: Path, run: PlannedRun) -> RunResult:
     """The result the run's folder holds (``done``: its ``result.json``)."""
-    return RunResult.from_record(json.loads(done.read_text()), run)
+    return RunResult.from_record(read_run_json(done.parent, done.name), run)
 
 
-def _run_one(config, run: PlannedRun, runs_dir: Path, data: TextData, retry_failed: bool,
+def _run_one(spec: RunSpec, run: PlannedRun, runs_dir: Path, retry_failed: bool,
              progress: bool) -> RunResult:
     """The run's stored result (a failed one only without ``retry_failed``), or train it (or
     resume it from its checkpoint); a run that raises is recorded as failed."""
@@ -84,8 +84,7 @@ def _run_one(config, run: PlannedRun, runs_dir: Path, data: TextData, retry_fail
         if result.ok or not retry_failed:
             return result
     try:
-        return RunResult.from_record(train(run_config(config, run), workdir, data=data,
-                                           progress=progress), run)
+        return RunResult.from_record(train(spec, workdir, progress=progress), run)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded, and the sweep goes on
@@ -107,17 +106,16 @@ def run_sweep(config, out: str | Path, *, retry_failed: bool = False, progress: 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"the sweep's output {str(out)!r} is a file, not a folder")
-    runs, runs_dir = planned_runs(config), out / "runs"
-    data = check_plan(config, runs, runs_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
     if not config.get("compile_cache") and not jax.config.jax_compilation_cache_dir:
         # the seeds of a policy compile one program (JAX's own cache, where one is set, serves)
         config = config.copy_and_resolve_references()
         config.compile_cache = str(out / "compile_cache")
+    runs, runs_dir = planned_runs(config), out / "runs"
+    specs = check_plan(config, runs, runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
     if shard is not None:
         runs = [r for k, r in enumerate(runs) if k % shard[1] == shard[0]]
-    results = [_run_one(config, r, runs_dir, data[r.name], retry_failed, progress)
-               for r in runs]
+    results = [_run_one(specs[r.name], r, runs_dir, retry_failed, progress) for r in runs]
     if shard is None:
         write_reports(results, out, config.sweep.get("compare", ()))
     return results

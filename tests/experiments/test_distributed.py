@@ -40,8 +40,8 @@ LATE_STEP_S = 40
 INTERRUPTED = f"""
 import signal, sys, time
 import jax
-from experiments import data, train
-real_batch, real_make_step = data.TextData.batch, train.make_step
+from experiments import data, loop, train
+real_batch, real_make_step = data.TextData.batch, loop.make_step
 def batch(self, seed, step, batch_size, seq_len):
     if step == 3 and jax.process_index() == 0:
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
@@ -52,7 +52,7 @@ def make_step(*args, **kwargs):
         time.sleep({LATE_STEP_S})
     built.append(1)
     return real_make_step(*args, **kwargs)
-data.TextData.batch, train.make_step = batch, make_step
+data.TextData.batch, loop.make_step = batch, make_step
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -196,7 +196,8 @@ def test_two_processes_train_stop_and_resume_exactly_as_one(tmp_path, corpus_dir
 def test_the_distributed_timeout_is_checked_before_anything_starts(tmp_path, capsys):
     """--distributed-timeout needs --distributed and a positive number of seconds: a usage
     error (exit status 2) before JAX joins or starts anything; the same in Python."""
-    from experiments.train import initialize_distributed, main
+    from experiments.processes import initialize_distributed
+    from experiments.train import main
 
     for argv, message in ((["--distributed-timeout", "600"], "need --distributed"),
                           (["--distributed", "--distributed-timeout", "0"], "positive number"),

@@ -90,7 +90,7 @@ def test_unequal_masks_reduce_to_the_global_token_mean_gradient(tiny, text):
 @pytest.mark.slow
 def test_a_run_with_bf16_reduction_of_the_head_trains_and_logs_mtp_survival(tiny, text,
                                                                            tmp_path):
-    from experiments.train import read_jsonl
+    from experiments.records import read_jsonl
 
     tiny.precision.policy, tiny.probes.every = "bf16", 0
     tiny.model.mtp, tiny.model.mtp_tied_head, tiny.train.grad_survival = True, True, True

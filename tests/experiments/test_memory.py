@@ -97,11 +97,12 @@ def test_the_estimate_bounds_xlas_memory_analysis_of_the_step(tiny, text):
     holds (temporaries and arguments), and within twice it: an estimate, but of the right
     terms."""
     from experiments.step import make_step
-    from experiments.train import _build, _grad_reduce
+    from experiments.run_spec import specify
+    from experiments.setup import build
 
-    setup = _build(tiny, text)
+    setup = build(specify(tiny, text))
     step = make_step(setup.qmodel, setup.tx, setup.sched, tiny.seed, tiny.train.mtp_weight,
-                     True, _grad_reduce(tiny), setup.place.batch.mesh, setup.osci)
+                     True, setup.spec.grad_reduce, setup.place.batch.mesh, setup.osci)
     b = text.batch(tiny.seed, 0, tiny.data.batch_size, tiny.data.seq_len)
     compiled = step.func.lower(setup.state, *setup.place.put(b), setup.probes,
                                **step.keywords).compile()

@@ -58,20 +58,20 @@ def test_flash_attention_in_the_model_equals_the_einsum_attention(model_and_para
 
 
 def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
-    from experiments.model import _recurrent_scan, _ssm_combine
+    from experiments.model import recurrent_scan, ssm_combine
 
     rng = np.random.default_rng(0)
     decay = jnp.asarray(rng.uniform(0.5, 1.0, (2, 40, 3, 4, 8)), jnp.float32)
     inp = jnp.asarray(rng.standard_normal((2, 40, 3, 4, 8)), jnp.float32)
-    _, par = jax.lax.associative_scan(_ssm_combine, (decay, inp), axis=1)
-    rec = _recurrent_scan(decay, inp, "fp32", "nearest", None)
+    _, par = jax.lax.associative_scan(ssm_combine, (decay, inp), axis=1)
+    rec = recurrent_scan(decay, inp, "fp32", "nearest", None)
     np.testing.assert_allclose(np.asarray(rec), np.asarray(par), rtol=2e-5, atol=2e-6)
-    bf = _recurrent_scan(decay, inp, "bf16", "nearest", None)
+    bf = recurrent_scan(decay, inp, "bf16", "nearest", None)
     assert np.array_equal(np.asarray(bf), np.asarray(bf.astype(jnp.bfloat16).astype(
         jnp.float32)))  # stored in BF16 after every step
-    sr = [_recurrent_scan(decay, inp, "bf16", "stochastic", jax.random.key(k)) for k in (0, 1)]
+    sr = [recurrent_scan(decay, inp, "bf16", "stochastic", jax.random.key(k)) for k in (0, 1)]
     assert not np.array_equal(np.asarray(sr[0]), np.asarray(sr[1]))
-    i8 = _recurrent_scan(decay, inp, "int8_block128", "nearest", None)
+    i8 = recurrent_scan(decay, inp, "int8_block128", "nearest", None)
     assert float(jnp.max(jnp.abs(i8 - par))) > 0
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     model = HybridLM(CFG)
@@ -144,11 +144,11 @@ def test_the_mlp_recomputed_from_its_stored_input(model_and_params):
 
 def test_selective_scan_matches_a_sequential_loop():
     # the associative scan equals the recurrence h_t = a_t h_{t-1} + b_t step by step
-    from experiments.model import _ssm_combine
+    from experiments.model import ssm_combine
 
     a = jax.random.uniform(jax.random.key(0), (2, 9, 3))
     b = jax.random.normal(jax.random.key(1), (2, 9, 3))
-    _, h = jax.lax.associative_scan(_ssm_combine, (a, b), axis=1)
+    _, h = jax.lax.associative_scan(ssm_combine, (a, b), axis=1)
     ref, acc = [], jnp.zeros((2, 3))
     for t in range(9):
         acc = a[:, t] * acc + b[:, t]

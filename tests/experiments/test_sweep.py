@@ -35,11 +35,11 @@ def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus
     config.compile_cache = tiny.compile_cache
     calls = []
 
-    def counting_train(c, workdir, **kw):
-        calls.append(c.precision.policy)
-        if c.precision.policy == "mxfp4" and calls.count("mxfp4") == 1:
+    def counting_train(spec, workdir, **kw):
+        calls.append(spec.config.precision.policy)
+        if spec.config.precision.policy == "mxfp4" and calls.count("mxfp4") == 1:
             raise RuntimeError("boom")  # a run that fails while training
-        return real_train(c, workdir, **kw)
+        return real_train(spec, workdir, **kw)
 
     monkeypatch.setattr(sweep_run, "train", counting_train)
     results = sweep.run_sweep(config, tmp_path, progress=False)
@@ -215,10 +215,11 @@ def test_a_sweep_over_seeds_reports_intervals(tmp_path, corpus_dir, tiny):
         assert (tmp_path / f).stat().st_size > 0, f
 
 
-def _fake_train(c, workdir, **kw):
+def _fake_train(spec, workdir, **kw):
     """A run's files without training: losses that depend on the policy and the seed."""
     from experiments.records import write_json_atomic
 
+    c = spec.config
     workdir.mkdir(parents=True, exist_ok=True)
     val = 2.0 + 0.01 * len(c.precision.policy) + 0.003 * c.seed
     (workdir / "metrics.jsonl").write_text("".join(
@@ -325,10 +326,11 @@ def test_run_folders_are_safe_names_for_any_policy(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def _fake_variant_train(c, workdir, **kw):
+def _fake_variant_train(spec, workdir, **kw):
     """Losses that depend on the policy, seed, width and late switch (no training)."""
     from experiments.records import write_json_atomic
 
+    c = spec.config
     workdir.mkdir(parents=True, exist_ok=True)
     q = c.precision.policy != "bf16"
     val = (3.0 - 0.01 * c.model.d_model + 0.003 * c.seed
@@ -470,14 +472,13 @@ def test_bad_variants_fail_before_any_run(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-def _recording_train(c, workdir, *, data, **kw):
+def _recording_train(spec, workdir, **kw):
     """A run's config.json and result.json as train writes them, without training."""
     from experiments.records import write_json_atomic
-    from experiments.train import config_record, resolve_policy
 
+    c, policy = spec.config, spec.policy
     workdir.mkdir(parents=True, exist_ok=True)
-    policy = resolve_policy(c)
-    write_json_atomic(workdir / "config.json", config_record(c, data, policy))
+    write_json_atomic(workdir / "config.json", spec.record)
     result = {"name": c.name, "policy": c.precision.policy, "status": "ok", "val_loss": 2.0,
               "final_train_loss": 2.0, "tokens_per_s": 1.0, "layers": {
                   "head": policy.default.name}}
@@ -491,8 +492,8 @@ def test_a_policy_file_is_identified_by_its_content(tmp_path, corpus_dir, monkey
     from fp4lab.policy import all_layers, save_policy
 
     calls = []
-    monkeypatch.setattr(sweep_run, "train", lambda c, w, **kw: calls.append(c.name) or
-                        _recording_train(c, w, **kw))
+    monkeypatch.setattr(sweep_run, "train", lambda spec, w, **kw: calls.append(
+        spec.config.name) or _recording_train(spec, w, **kw))
     policy = tmp_path / "policy.json"
     save_policy(all_layers("nvfp4"), policy)
     config = tiny_sweep(corpus_dir, f"sweep.policies=('bf16','file:{policy}')")
@@ -535,8 +536,9 @@ def test_the_whole_plan_is_checked_before_any_run_trains(tmp_path, corpus_dir, m
     from experiments.data import load_data
 
     calls, loads = [], []
-    monkeypatch.setattr(sweep_run, "train", lambda c, w, **kw: calls.append(c.name) or {
-        "status": "ok", "val_loss": 2.0, "final_train_loss": 2.0, "tokens_per_s": 1.0})
+    monkeypatch.setattr(sweep_run, "train", lambda spec, w, **kw: calls.append(
+        spec.config.name) or {"status": "ok", "val_loss": 2.0, "final_train_loss": 2.0,
+                              "tokens_per_s": 1.0})
     monkeypatch.setattr(sweep_run, "load_data", lambda d: loads.append(d) or load_data(d))
     for overrides, error in (
             (["sweep.policies=('bf16','nvfp4','nvfp5')"], "sweep run 'nvfp5': unknown policy"),
@@ -562,7 +564,7 @@ def test_the_whole_plan_is_checked_before_any_run_trains(tmp_path, corpus_dir, m
 def test_the_help_example_parses_and_plans_on_the_default_config():
     import shlex
 
-    ap = sweep_cli._parser()
+    ap = sweep_cli.parser()
     text = next(a.help for a in ap._actions if a.dest == "overrides")
     example = shlex.split(text.split("e.g. ", 1)[1])
     args = ap.parse_args(example)

@@ -161,12 +161,12 @@ def test_the_vocabulary_comes_from_the_data(tmp_path, monkeypatch):
     d = load_tokens(pair(tmp_path, train, val))
     assert (d.vocab_size, d.vocab_source) == (400, "the largest token id + 1")
     assert "vocabulary 400" in d.describe()
-    real = data_module._max_token  # the largest id: read in chunks of the memmap
-    monkeypatch.setattr(data_module, "_max_token", lambda t: real(t, chunk=7))
+    real = data_module.max_token  # the largest id: read in chunks of the memmap
+    monkeypatch.setattr(data_module, "max_token", lambda t: real(t, chunk=7))
     assert load_tokens(tmp_path / "train.bin").vocab_size == 400
     monkeypatch.undo()
     assert real(np.arange(10), chunk=3) == 9
-    assert data_module._max_token(np.zeros(0, int)) == -1
+    assert data_module.max_token(np.zeros(0, int)) == -1
     assert load_tokens(tmp_path / "train.bin", vocab_size=512).vocab_size == 512
     with open(tmp_path / "meta.pkl", "wb") as f:  # nanoGPT's
         pickle.dump({"vocab_size": 450, "itos": {0: "a"}, "stoi": {"a": 0}}, f)
@@ -267,7 +267,7 @@ def test_a_run_records_what_it_read_and_its_models_vocabulary(tiny, tmp_path, te
     """config.json said vocab 256 for token files of 1,000 ids, and nothing recorded the
     files, bytes or tokens a run read."""
     from experiments import policies
-    from experiments.train import config_record, stored_changes
+    from experiments.run_spec import config_record, stored_changes
 
     train, val = np.arange(5000) % 1000, np.arange(700) % 999
     path = pair(tmp_path / "t", train, val)

@@ -9,7 +9,9 @@ import pytest
 
 from experiments import policies
 from experiments.data import Batch
-from experiments.train import TrainingDiverged, read_jsonl, train
+from experiments.loop import TrainingDiverged
+from experiments.records import read_jsonl
+from experiments.train import train
 
 
 def losses(workdir):
@@ -105,12 +107,14 @@ def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optim
     import jax
     from optax.contrib import MuonState
 
-    from experiments.train import _build, _Checkpoints
+    from experiments.checkpoints import Checkpoints
+    from experiments.run_spec import specify
+    from experiments.setup import build
 
     tiny.train.optimizer, tiny.precision.policy = optimizer, policy
     if policy == "tetrajet_v2":  # OsciReset's accumulators are part of the state
         tiny.train.osci_reset.period, tiny.train.osci_reset.window = 4, 1
-    like = _build(tiny, text).state
+    like = build(specify(tiny, text)).state
     assert (like.osci is not None) == (policy == "tetrajet_v2")
     # OutControl's summed channel norms are part of the state
     assert (like.channel_norms is not None) == (policy == "tetrajet_v2_outcontrol")
@@ -122,8 +126,8 @@ def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optim
     assert any(is_muon(x) for x in jax.tree.leaves(like.opt_state, is_leaf=is_muon)) == \
         (optimizer == "muon")
     state = _random_like(like)
-    _Checkpoints(tmp_path.resolve()).save(7, state, wait=True)
-    back = _Checkpoints(tmp_path.resolve()).restore(like)
+    Checkpoints(tmp_path.resolve()).save(7, state, wait=True)
+    back = Checkpoints(tmp_path.resolve()).restore(like)
     assert jax.tree.structure(back) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
         a, b = np.asarray(a), np.asarray(b)
@@ -221,7 +225,7 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny, text):
     import jax.numpy as jnp
 
     from experiments.model import HybridLM
-    from experiments.train import TrainState, make_optimizer, make_step, model_config
+    from experiments.step import TrainState, make_optimizer, make_step, model_config
     from fp4lab.flax import quantize_model
 
     model = HybridLM(model_config(tiny))
@@ -294,13 +298,13 @@ def test_nonsensical_sizes_are_refused_before_anything_loads(tiny, tmp_path, mon
     """``data.batch_size=0`` trained to ``status: ok`` with a loss of 0 and
     ``data.val_batches=0`` to a NaN validation loss; ``precision.backend=cuda`` failed only
     after the data had loaded."""
-    from experiments import train as train_module
+    from experiments import run_spec
     from experiments.configs import apply_overrides
 
     def no_loading(d):
         raise AssertionError("the data was loaded before the config was checked")
 
-    monkeypatch.setattr(train_module, "load_data", no_loading)
+    monkeypatch.setattr(run_spec, "load_data", no_loading)
     for override, error in (
             ("data.batch_size=0", "data.batch_size=0 must be an integer >= 1"),
             ("data.val_batches=0", "data.val_batches=0 must be an integer >= 1"),
@@ -444,14 +448,15 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
     import flax.linen as nn
     import jax
 
-    from experiments.step import _recorded
-    from experiments.train import _build
+    from experiments.step import recorded_channel_norms
+    from experiments.run_spec import specify
+    from experiments.setup import build
 
     tiny.precision.policy = "tetrajet_v2_outcontrol"
-    setup = _build(tiny, text)
+    setup = build(specify(tiny, text))
     norms0 = setup.state.channel_norms
     assert all((np.asarray(v) == 0).all() for v in jax.tree.leaves(norms0))
-    tokens = setup.data.batch(0, 3, tiny.data.batch_size, tiny.data.seq_len).tokens
+    tokens = setup.spec.data.batch(0, 3, tiny.data.batch_size, tiny.data.seq_len).tokens
     key = jax.random.key(11)
     seen = {}
 
@@ -464,8 +469,8 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(capture):
-        once = _recorded(setup.qmodel, setup.state.params, None, norms0, tokens, key)
-    twice = _recorded(setup.qmodel, setup.state.params, None, once, tokens, key)
+        once = recorded_channel_norms(setup.qmodel, setup.state.params, None, norms0, tokens, key)
+    twice = recorded_channel_norms(setup.qmodel, setup.state.params, None, once, tokens, key)
     flat = {"/".join(k[:-1]): v for k, v in flax_flat(once).items()}
     assert set(flat) == set(seen) and len(flat) == 7  # every GEMM of the tiny model
     for path, x in seen.items():
@@ -477,7 +482,7 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
     # validation after the record window splits as the next step would
     from experiments.step import make_eval
 
-    batch = setup.data.val_batches(1, tiny.data.batch_size, tiny.data.seq_len)[0]
+    batch = setup.spec.data.val_batches(1, tiny.data.batch_size, tiny.data.seq_len)[0]
     plain, split = (float(make_eval(setup.qmodel, 0, s)(setup.state.params, None, once,
                                                          batch.tokens, batch.weights))
                     for s in (False, True))
@@ -485,15 +490,16 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
 
 
 def test_outcontrol_that_would_never_split_is_refused(tiny, text):
-    from experiments.train import _build
+    from experiments.run_spec import specify
+    from experiments.setup import build
 
     tiny.precision.policy = "tetrajet_v2_outcontrol"
     tiny.train.steps, tiny.train.bf16_last_fraction = 20, 0.25  # quantized: steps 0-14
     tiny.train.outcontrol.start, tiny.train.outcontrol.steps = 10, 5
     with pytest.raises(ValueError, match="chosen after step 14.*would never split"):
-        _build(tiny, text)
+        build(specify(tiny, text))
     tiny.train.outcontrol.steps = 4
-    assert _build(tiny, text).outcontrol.phase(14) == "split"
+    assert build(specify(tiny, text)).outcontrol.phase(14) == "split"
 
 
 def flax_flat(tree):
@@ -509,7 +515,9 @@ def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
     the final state holds the two recorded steps' norms."""
     import jax
 
-    from experiments.train import _Checkpoints, _build
+    from experiments.checkpoints import Checkpoints
+    from experiments.run_spec import specify
+    from experiments.setup import build
 
     tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 5, 0, 0
     tiny.model.pattern = "-"  # one MLP block: three GEMMs, four programs compile quickly
@@ -521,8 +529,8 @@ def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
     base, split = losses(tmp_path / "base"), losses(tmp_path / "split")
     assert base[:3] == split[:3]
     assert all(a != b for a, b in zip(base[3:], split[3:], strict=True))
-    like = _build(tiny, text).state
-    state = _Checkpoints((tmp_path / "split").resolve()).restore(like)
+    like = build(specify(tiny, text)).state
+    state = Checkpoints((tmp_path / "split").resolve()).restore(like)
     leaves = [np.asarray(v) for v in jax.tree.leaves(state.channel_norms)]
     assert len(leaves) == 3 and all((v > 0).all() and np.isfinite(v).all() for v in leaves)
 
@@ -532,18 +540,19 @@ def test_outcontrol_beside_delayed_scaling(tiny, text, tmp_path):
     the channel norms and the record pass both get the amax histories."""
     import jax
 
-    from experiments.step import _recorded
-    from experiments.train import _build
+    from experiments.step import recorded_channel_norms
+    from experiments.run_spec import specify
+    from experiments.setup import build
     from fp4lab.policy import PrecisionPolicy, Rule, save_policy
 
     policy = tmp_path / "policy.json"
     save_policy(PrecisionPolicy(rules=(Rule(recipe="fp8_delayed", pattern=r".*mlp.*"),),
                                 default="tetrajet_v2_outcontrol"), policy)
     tiny.precision.policy = f"file:{policy}"
-    setup = _build(tiny, text)
+    setup = build(specify(tiny, text))
     assert setup.state.amax_history and "mlp" not in str(jax.tree.structure(
         setup.state.channel_norms))
-    tokens = setup.data.batch(0, 0, tiny.data.batch_size, tiny.data.seq_len).tokens
-    norms = _recorded(setup.qmodel, setup.state.params, setup.state.amax_history,
+    tokens = setup.spec.data.batch(0, 0, tiny.data.batch_size, tiny.data.seq_len).tokens
+    norms = recorded_channel_norms(setup.qmodel, setup.state.params, setup.state.amax_history,
                       setup.state.channel_norms, tokens, jax.random.key(0))
     assert all((np.asarray(v) > 0).all() for v in jax.tree.leaves(norms))
