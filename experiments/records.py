@@ -16,27 +16,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_atomic", "write_json_atomic", "append_jsonl", "read_jsonl", "rewrite_jsonl",
+from fp4lab.files import write_atomic
+
+__all__ = ["write_json_atomic", "append_jsonl", "read_jsonl", "rewrite_jsonl",
            "RunRecords"]
-
-
-def write_atomic(path: Path, content: str | bytes) -> None:
-    """Replace ``path`` by ``content`` (text or bytes) through a temporary file beside it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        if isinstance(content, bytes):
-            tmp.write_bytes(content)
-        else:
-            tmp.write_text(content)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # only there when writing failed
 
 
 def write_json_atomic(path: Path, obj) -> None:

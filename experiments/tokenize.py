@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from experiments.cli import command
 from experiments.data import LLMC_HEADER_BYTES, split_documents
+from fp4lab.files import atomic
 
 __all__ = ["tokenize", "train_bpe", "write_llmc", "corpus_key", "main", "EOT"]
 
@@ -91,16 +91,9 @@ def _encoded(tok, docs: list[bytes], dtype, batch: int = 256):
 
 
 def _replace_atomically(path: Path, write) -> None:
-    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """``write(file)`` into a temporary file beside ``path`` that then replaces it."""
+    with atomic(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 def write_llmc(path: Path, chunks, vocab_size: int) -> int:

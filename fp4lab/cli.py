@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fp4lab.files import atomic
+
 __all__ = ["main", "format_rows", "DISTRIBUTIONS", "load_tensors", "load_params", "compare"]
 
 
@@ -245,9 +247,8 @@ def _plot(results: list[dict], path: str) -> None:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kind = plot_format(path)
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, dpi=110, format=kind)
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=kind)
 
 
 def plot_format(path: str) -> str:

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.probes import layer_order
-from experiments.records import read_jsonl, write_atomic
+from experiments.records import read_jsonl
+from fp4lab.files import write_atomic
 from experiments.stats import paired_gap
 from experiments.sweep.result import (RunResult, base_key, finished, groups, label,
                                       val_by_seed)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.probes import KIND_ORDER
-from experiments.records import write_atomic
+from fp4lab.files import write_atomic
 from experiments.stats import gap_difference, paired_gap
 from experiments.sweep import plots
 from experiments.sweep.result import (RunResult, as_results, base_key, finished, groups,

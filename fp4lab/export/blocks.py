@@ -2,14 +2,12 @@
 store (:class:`Blocks`), and back to a QArray (codes packed by the core's
 :func:`fp4lab.rounding.pack_nibbles`); tensor names; the NVFP4 per-tensor values the
 layouts store (2688 from the element formats, the block factors from the core's NVFP4
-scheme); atomic writes, optional imports, errors."""
+scheme); optional imports, errors."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
-import os
 import struct
 from pathlib import Path
 
@@ -172,18 +170,6 @@ def require(module: str):
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"fp4lab.export needs the {module.partition('.')[0]!r} "
                                   f"package: {EXTRA}", name=e.name) from None
-
-
-@contextlib.contextmanager
-def atomic(path: Path):
-    """A temporary path beside ``path`` that replaces it once the block succeeds (removed if
-    it fails); created by ``open``, so with the ordinary umask-respecting mode."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def corrupt(path: Path, detail) -> ValueError:

@@ -28,9 +28,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from fp4lab.export.blocks import (F32, NVFP4_FACTOR, PARSE_ERRORS, Blocks, atomic, blocks,
-                                  corrupt, is_kernel, nvfp4_amax, nvfp4_block_factors,
+from fp4lab.export.blocks import (F32, NVFP4_FACTOR, PARSE_ERRORS, Blocks, blocks, corrupt,
+                                  is_kernel, nvfp4_amax, nvfp4_block_factors,
                                   nvfp4_decode_scale, pack, plain, qarray, require, unpack)
+from fp4lab.files import atomic
 from fp4lab.qarray import QArray
 
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fp4lab.export.blocks import (NVFP4_FACTOR, atomic, corrupt, is_kernel, plain, qarray,
-                                  require, unpack)
+from fp4lab.export.blocks import NVFP4_FACTOR, corrupt, is_kernel, plain, qarray, require, unpack
+from fp4lab.files import atomic
 from fp4lab.qarray import QArray
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
