@@ -178,7 +178,7 @@ def test_scanned_calls_have_the_names_of_the_unscanned_model_and_their_rules_app
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.array_equal(np.asarray(got), np.asarray(model.apply(params, x)))
     # a name the model does not have governs nothing, and says so
-    with pytest.warns(fp4lab.PolicyWarning, match=r"rules matched no layer.*blocks/einsum_2"):
+    with pytest.warns(fp4lab.policy.PolicyWarning, match=r"rules matched no layer.*blocks/einsum_2"):
         out = quantize_model(model, einsum_rule("blocks/einsum_2")).apply(params, x)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(model.apply(params, x)))
 
