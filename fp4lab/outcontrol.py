@@ -8,7 +8,7 @@ NVFP4. Each layer chooses its channels once, during training::
     steps [start, start + steps)   norms += ||X[:, k]||_2 over the step's tokens, per channel k
     step start + steps             channels = the channel indices by descending summed norm;
                                    from then on the GEMM splits K (``qdot_general(...,
-                                   channels=channels)``; :class:`fp4lab.recipe.OutControl`)
+                                   channels=channels)``; :class:`fp4lab.outcontrol.OutControl`)
 
 The authors' configs: ``start`` 501, ``steps`` 50, 10 % of the channels. Their ranks each add
 the norm of every microbatch they see and sum over ranks at the end; fp4lab adds the norm of
@@ -22,6 +22,7 @@ among the variables splits the GEMMs (experiments: ``train.outcontrol``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -30,7 +31,94 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["channel_norms", "channel_order", "check_channels", "split_gemm"]
+from fp4lab.formats import Format, get_format
+
+__all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "split_gemm"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutControl:
+    """TetraJet-v2's OutControl: a layer's outlier input channels (of K) kept in a higher
+    precision, chosen once from the input's accumulated per-channel L2 norms
+    (:mod:`fp4lab.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
+
+    With ``channels`` (K indices, most outlying first) the GEMM splits K: the first
+    :meth:`count` channels of X and W are quantized in ``format`` (round to nearest, blocks
+    along K) and the rest as ``fprop_x``/``fprop_w`` say, each part over its channels in
+    that order, and ``Y`` is the FP4 product plus the high-precision one. The wgrad GEMM
+    splits the same way (rows of dW: X requantized from the forward's and dY, both in
+    ``format`` along the tokens, for the outlier channels); dgrad requantizes the forward W
+    (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe without
+    the split (the authors' layer before its channels are chosen). The split is two ordinary
+    GEMMs, one per part (:meth:`recipes`; :func:`fp4lab.outcontrol.split_gemm`): a
+    per-tensor scale in ``dgrad_w`` would be per part.
+
+    ``count(K)``: with ``align=1`` (default), ``round(fraction * K)``, what the paper's
+    simulated results keep (``linear_mix.py``'s comment); otherwise the authors' kernel
+    rule with ``align`` for their 128, ``min(K // align * align, ceil(int(fraction * K) /
+    align) * align)`` (``align=128``: whole 128-blocks). A small model keeps about 10 % with
+    the first, up to half of K with the second."""
+
+    fraction: float = 0.1
+    align: int = 1
+    format: str | Format = "mxfp8"
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", get_format(self.format))
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"OutControl fraction={self.fraction} must lie in (0, 1)")
+        if self.align < 1:
+            raise ValueError(f"OutControl align={self.align} must be >= 1")
+
+    def count(self, k: int) -> int:
+        """How many of ``k`` input channels go to ``format`` (0 < count < k, else an error)."""
+        if self.align == 1:
+            n = round(self.fraction * k)
+        else:
+            n = min(k // self.align * self.align,
+                    -(-int(self.fraction * k) // self.align) * self.align)
+        if not 0 < n < k:
+            raise ValueError(f"OutControl(fraction={self.fraction}, align={self.align}) keeps "
+                             f"{n} of K={k} input channels in {self.format.name}; it needs "
+                             "at least one channel in each part")
+        return n
+
+    def refusal(self, recipe) -> str | None:
+        """Why ``recipe`` cannot split K this way, or None."""
+        fx, fw = recipe.fprop_x, recipe.fprop_w
+        if (fx.hadamard or fw.tile or recipe.trust or recipe.dgrad_w.source != "forward"
+                or recipe.wgrad_x.source != "forward"):
+            return ("OutControl splits the forward's K and requantizes the backward from the "
+                    "split forward: it needs forward operands without a Hadamard transform "
+                    "or 2D tile, no trust mask, and dgrad_w and wgrad_x with "
+                    "source='forward'")
+        return None
+
+    def recipes(self, recipe) -> tuple:
+        """The two GEMMs of the split: the rest channels under ``recipe`` (without the
+        split), the outlier channels with X and W in ``format`` (round to nearest, no
+        transform) in fprop and wgrad (X requantized from the forward's) and ``recipe``'s
+        dgrad operands."""
+        return _outcontrol_recipes(recipe)
+
+    def describe(self) -> str:
+        return (f"OutControl: splits K, the top {self.fraction:.0%} of it in "
+                f"{self.format.name} (fprop, wgrad) once chosen"
+                + (f", whole {self.align}s" if self.align > 1 else ""))
+
+
+
+@functools.lru_cache(maxsize=None)
+def _outcontrol_recipes(recipe):
+    from fp4lab.recipe import OperandQuant  # (the recipe module holds OutControl fields)
+
+    high = OperandQuant(format=recipe.outliers.format)
+    rest = dataclasses.replace(recipe, outliers=None)
+    outliers = dataclasses.replace(
+        rest, name=f"{recipe.name}:outliers", fprop_x=high, fprop_w=high,
+        wgrad_x=dataclasses.replace(high, source="forward"), wgrad_dy=high)
+    return rest, outliers
+
 
 
 def channel_norms(lhs, dimension_numbers) -> jax.Array:
@@ -79,7 +167,7 @@ def split_gemm(gemm, x, w, recipe, channels, probe=None):
     ``linear_mix.py``): canonical ``X: (B, M, K)`` and ``W: (B, K, N)`` gathered in
     ``channels`` order and cut after the outliers; ``gemm(x, w, recipe, probe)`` (the
     quantized GEMM, float32 out) on each part under :meth:`OutControl.recipes
-    <fp4lab.recipe.OutControl.recipes>`, summed in float32. Autodiff assembles dX and dW;
+    <fp4lab.outcontrol.OutControl.recipes>`, summed in float32. Autodiff assembles dX and dW;
     the gather's gradient is the inverse gather, so every element (signed zeros included)
     comes back as its part's GEMM gave it. ``probe`` measures the rest (the recipe's) part."""
     n = recipe.outliers.count(x.shape[-1])

@@ -312,7 +312,7 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
       channels: for recipes with OutControl (``tetrajet_v2_outcontrol``): the K channels of
         the reduction axis, outliers first (:func:`fp4lab.outcontrol.channel_order` of
         their summed :func:`~fp4lab.outcontrol.channel_norms`); the GEMM then splits K as
-        :class:`fp4lab.recipe.OutControl` says. ``None``: the recipe without the split.
+        :class:`fp4lab.outcontrol.OutControl` says. ``None``: the recipe without the split.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
         :mod:`fp4lab.backend`); round-to-nearest kernels give the same bits, stochastic
         rounding kernels other (equally unbiased) random bits.

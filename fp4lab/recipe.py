@@ -20,14 +20,14 @@ Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named one
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal
 
 from fp4lab.delayed import DelayedScaling
 from fp4lab.formats import Format, get_format
 from fp4lab.operands import OPERAND_TABLE, OPERANDS, Operand
+from fp4lab.outcontrol import OutControl
 
-__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "OutControl", "Recipe",
+__all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe",
            "SavedX", "RECIPES", "get_recipe", "recipe_names"]
 
 
@@ -115,76 +115,6 @@ class SavedX:
 
     def describe(self) -> str:
         return f"saved x: {self.format.name}" + (" (host)" if self.offload else "")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OutControl:
-    """TetraJet-v2's OutControl: a layer's outlier input channels (of K) kept in a higher
-    precision, chosen once from the input's accumulated per-channel L2 norms
-    (:mod:`fp4lab.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
-
-    With ``channels`` (K indices, most outlying first) the GEMM splits K: the first
-    :meth:`count` channels of X and W are quantized in ``format`` (round to nearest, blocks
-    along K) and the rest as ``fprop_x``/``fprop_w`` say, each part over its channels in
-    that order, and ``Y`` is the FP4 product plus the high-precision one. The wgrad GEMM
-    splits the same way (rows of dW: X requantized from the forward's and dY, both in
-    ``format`` along the tokens, for the outlier channels); dgrad requantizes the forward W
-    (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe without
-    the split (the authors' layer before its channels are chosen). The split is two ordinary
-    GEMMs, one per part (:meth:`recipes`; :func:`fp4lab.outcontrol.split_gemm`): a
-    per-tensor scale in ``dgrad_w`` would be per part.
-
-    ``count(K)``: with ``align=1`` (default), ``round(fraction * K)``, what the paper's
-    simulated results keep (``linear_mix.py``'s comment); otherwise the authors' kernel
-    rule with ``align`` for their 128, ``min(K // align * align, ceil(int(fraction * K) /
-    align) * align)`` (``align=128``: whole 128-blocks). A small model keeps about 10 % with
-    the first, up to half of K with the second."""
-
-    fraction: float = 0.1
-    align: int = 1
-    format: str | Format = "mxfp8"
-
-    def __post_init__(self):
-        object.__setattr__(self, "format", get_format(self.format))
-        if not 0 < self.fraction < 1:
-            raise ValueError(f"OutControl fraction={self.fraction} must lie in (0, 1)")
-        if self.align < 1:
-            raise ValueError(f"OutControl align={self.align} must be >= 1")
-
-    def count(self, k: int) -> int:
-        """How many of ``k`` input channels go to ``format`` (0 < count < k, else an error)."""
-        if self.align == 1:
-            n = round(self.fraction * k)
-        else:
-            n = min(k // self.align * self.align,
-                    -(-int(self.fraction * k) // self.align) * self.align)
-        if not 0 < n < k:
-            raise ValueError(f"OutControl(fraction={self.fraction}, align={self.align}) keeps "
-                             f"{n} of K={k} input channels in {self.format.name}; it needs "
-                             "at least one channel in each part")
-        return n
-
-    def refusal(self, recipe: Recipe) -> str | None:
-        """Why ``recipe`` cannot split K this way, or None."""
-        fx, fw = recipe.fprop_x, recipe.fprop_w
-        if (fx.hadamard or fw.tile or recipe.trust or recipe.dgrad_w.source != "forward"
-                or recipe.wgrad_x.source != "forward"):
-            return ("OutControl splits the forward's K and requantizes the backward from the "
-                    "split forward: it needs forward operands without a Hadamard transform "
-                    "or 2D tile, no trust mask, and dgrad_w and wgrad_x with "
-                    "source='forward'")
-        return None
-
-    def recipes(self, recipe: Recipe) -> tuple[Recipe, Recipe]:
-        """The two GEMMs of the split: the rest channels under ``recipe`` (without the
-        split), the outlier channels with X and W in ``format`` (round to nearest, no
-        transform) in fprop and wgrad (X requantized from the forward's) and ``recipe``'s
-        dgrad operands."""
-        return _outcontrol_recipes(recipe)
-
-    def describe(self) -> str:
-        return (f"OutControl: top {self.fraction:.0%} of K in {self.format.name} (fprop, "
-                "wgrad) once chosen" + (f", whole {self.align}s" if self.align > 1 else ""))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -298,28 +228,26 @@ class Recipe:
         if self.backward == "ste":
             return (f"QAT fwd x:{ops['fprop_x'].describe()} w:{ops['fprop_w'].describe()}, "
                     "straight-through bwd")
-        text = ", ".join(f"{k}:{v.describe()}" for k, v in ops.items())
+        return "; ".join([", ".join(f"{k}:{v.describe()}" for k, v in ops.items())]
+                         + self.notes())
+
+    def notes(self) -> list[str]:
+        """What the recipe does beyond quantizing each operand, one phrase per feature (the
+        one describer: :meth:`describe` and ``explain``'s table both print these)."""
+        notes = []
         if self.delayed:
             d = self.delayed
-            text += (f"; delayed scaling (history {d.history_len}, {d.amax_compute_algo}, "
-                     f"margin {d.margin})")
+            notes.append(f"delayed scaling (history {d.history_len}, {d.amax_compute_algo}, "
+                         f"margin {d.margin})")
         if self.saved_x:
-            text += f"; {self.saved_x.describe()}"
+            notes.append(self.saved_x.describe())
         if self.trust:
-            text += "; trust mask (gradient only where the forward did not clip)"
+            notes.append("trust mask (gradient only where the forward did not clip)")
+        if "random" in (self.signs(o) for o in self.operands.values()):
+            notes.append("sign vectors redrawn every call")
         if self.outliers:
-            text += f"; {self.outliers.describe()}"
-        return text
-
-
-@functools.lru_cache(maxsize=None)
-def _outcontrol_recipes(recipe: Recipe) -> tuple[Recipe, Recipe]:
-    high = OperandQuant(format=recipe.outliers.format)
-    rest = dataclasses.replace(recipe, outliers=None)
-    outliers = dataclasses.replace(
-        rest, name=f"{recipe.name}:outliers", fprop_x=high, fprop_w=high,
-        wgrad_x=dataclasses.replace(high, source="forward"), wgrad_dy=high)
-    return rest, outliers
+            notes.append(self.outliers.describe())
+        return notes
 
 
 def _uniform(name, fmt, follows, **kw) -> Recipe:

@@ -191,8 +191,8 @@ def _install(policy: PrecisionPolicy, gemms: list, num_blocks, make: _GemmMaker)
     ``fp4lab_ops``), stacked as its layer is; the assignments, in order."""
     assignments, ops = [], {}
     for g in gemms:
-        a = _assign(policy, g, num_blocks)
-        if a is None:
+        a = policy.assign(g.path, g.kind, num_blocks, stack=g.stack)
+        if a.recipe is None:
             continue  # a call no op rule quantizes
         assignments.append(a)
         if g.call is None:  # a layer: its hook (a static function) becomes an op with state
@@ -288,11 +288,3 @@ def _num_blocks(policy: PrecisionPolicy, gemms: list[_Gemm]) -> int | None:
     return max([found] + [math.prod(g.stack) for g in gemms if g.stack]) or None
 
 
-def _assign(policy: PrecisionPolicy, g: _Gemm, num_blocks: int | None):
-    """``g``'s assignment (``None``: a call no op rule quantizes); blocks stacked for a scan
-    get one recipe or are refused (:meth:`~fp4lab.policy.PrecisionPolicy.assign_stacked`)."""
-    if g.stack and policy.block_of(g.path) is None:
-        return policy.assign_stacked(g.path, g.kind, num_blocks, g.stack)
-    if g.kind in OP_KINDS:
-        return policy.assign_op(g.path, g.kind, num_blocks)
-    return policy.assign(g.path, g.kind, num_blocks)

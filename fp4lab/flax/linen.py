@@ -10,7 +10,6 @@ every ``nn.Dense`` and ``nn.DenseGeneral`` (through their ``dot_general`` hook) 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 
@@ -18,233 +17,18 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp4lab import outcontrol
-from fp4lab.delayed import init_history
 from fp4lab.einsum import plan_einsum
-from fp4lab.flax.internals import (linen_calling_module, linen_child, linen_einsum_bias_shape,
-                                   linen_filter_value, linen_lifted, linen_module_stack)
+from fp4lab.flax.internals import linen_calling_module, linen_einsum_bias_shape
+from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, note_weight,
+                                     stack_of)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
                              quantized_call, runs_as_written, trace_abstractly)
 from fp4lab.policy import Assignment, ExplainTable, PrecisionPolicy, check_unused
-from fp4lab.probes import probe_zeros
 from fp4lab.qdot import qdot_general, qeinsum
 from fp4lab.recipe import Recipe, get_recipe
 
 __all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers",
            "LAYER_TYPES"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lift:
-    """A Linen ``nn.scan`` or ``nn.vmap`` around a running module: the transform, the lifted
-    module's path, its arguments (``flax.core.lift``'s signature) and its size (iterations or
-    members; ``None`` where neither its arguments nor the variables say)."""
-
-    transform: str  # "nn.scan" / "nn.vmap"
-    path: str
-    args: dict
-    size: int | None
-
-    def axis(self, collection: str) -> int | None:
-        """The axis along which it maps ``collection`` (``None``: not mapped)."""
-        return linen_filter_value(self.args.get("variable_axes"), collection)
-
-    def split(self, rng: str):
-        """What its ``split_rngs`` says of ``rng`` (``None``: not named)."""
-        return linen_filter_value(self.args.get("split_rngs"), rng)
-
-    @property
-    def stacks(self) -> bool:
-        """It maps the parameters along an axis: the blocks it runs are stacked."""
-        return self.axis("params") is not None
-
-    def __str__(self):
-        return f"{self.transform} at {self.path}"
-
-
-def _lifts_around(module: nn.Module) -> list[_Lift]:
-    """The Linen scans and vmaps around the running ``module``, outermost first. Flax runs a
-    lifted module's body without putting the lifted module on the module stack: it is the
-    child, on the way to ``module``, of a module on the stack."""
-    path, stack = module.scope.path, linen_module_stack()
-    out: dict[str, _Lift] = {}
-    for m in stack:
-        outer = m.scope.path
-        if not (len(outer) < len(path) and path[:len(outer)] == outer):
-            continue
-        name = path[len(outer)]
-        child = linen_child(m, name)
-        found = linen_lifted(child) if isinstance(child, nn.Module) else None
-        if found is not None and "/".join(outer + (name,)) not in out:
-            kind, args = found
-            body = next((b for b in stack if b.scope.path == outer + (name,)), None)
-            lifted = "/".join(outer + (name,))
-            out[lifted] = _Lift(f"nn.{kind}", lifted, args, _lift_size(kind, args, m, name,
-                                                                        body))
-    return list(out.values())
-
-
-def _lift_size(kind: str, args: dict, parent: nn.Module, name: str, body) -> int | None:
-    """A lift's iterations (``length``) or members (``axis_size``), else read off a variable
-    it maps: its shape outside (``parent``'s, stacked) along the mapped axis."""
-    size = args.get("length" if kind == "scan" else "axis_size")
-    if size is not None or body is None:
-        return size
-    for collection, tree in parent.variables.items():
-        axis = linen_filter_value(args.get("variable_axes"), collection)
-        if axis is None or name not in tree:
-            continue
-        inner = {k for k, _ in jax.tree_util.tree_leaves_with_path(
-            body.variables.get(collection, {}))}
-        for k, leaf in jax.tree_util.tree_leaves_with_path(tree[name]):
-            if k in inner:
-                return int(jnp.shape(leaf)[axis])
-    return None
-
-
-def _stack(module: nn.Module) -> tuple[int, ...]:
-    """The blocks the running ``module`` is stacked over: the sizes of the lifts around it
-    that map the parameters (``()``: not stacked)."""
-    lifts = [lift for lift in _lifts_around(module) if lift.stacks]
-    if any(lift.size is None for lift in lifts):
-        return ()  # (an unknown size: nothing to stack by; the body runs one recipe)
-    return tuple(lift.size for lift in lifts)
-
-
-# while QuantizedLinen.assignments traces apply: {GEMM path: the dtype of its W operand}
-_recording: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fp4lab_recording",
-                                                                         default=None)
-
-
-def _note(path: str, w) -> None:
-    """Record the dtype W has at the GEMM at ``path`` (only while recording)."""
-    seen = _recording.get()
-    if seen is not None:
-        seen[path] = jnp.result_type(w).name
-
-
-def _linen_key(module: nn.Module, recipe: Recipe):
-    """The layer's stochastic-rounding key (None if its recipe has no SR), from its "quant" rng."""
-    if not recipe.needs_key:
-        return None
-    where = (f"layer {'/'.join(module.scope.path)} uses recipe {recipe.name} with "
-             "stochastic rounding")
-    if module.has_rng("quant"):
-        lifted = next((lift for lift in _lifts_around(module) if lift.split("quant") is False),
-                      None)
-        if lifted is not None:
-            raise ValueError(f"{where}, but {lifted} gives every iteration the same 'quant' "
-                             "rng (correlated rounding noise across iterations): pass "
-                             "split_rngs={..., 'quant': True}")
-        return module.make_rng("quant")
-    if module.is_initializing() or _recording.get() is not None:  # shapes only: any key
-        return jax.random.key(0)
-    if any(m.scope is not None and m.scope.has_rng("quant") for m in linen_module_stack()):
-        raise ValueError(f"{where}, but the 'quant' rng given to apply does not reach it: a "
-                         "Linen transform around it (nn.scan, nn.vmap) passes only the rngs "
-                         "its split_rngs names; add split_rngs={..., 'quant': True} so that "
-                         "each scanned block draws its own keys")
-    raise ValueError(f"{where}: pass rngs={{'quant': key}} to apply")
-
-
-# while QuantizedLinen builds a collection of per-GEMM state (probe_zeros, history_init):
-# its name; every GEMM then creates its variable there, and Flax stacks it as it stacks params
-_creating: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp4lab_creating",
-                                                                     default=None)
-# the collections the caller of QuantizedLinen.apply passed in its variables or made mutable
-_passed: contextvars.ContextVar[frozenset] = contextvars.ContextVar("fp4lab_passed",
-                                                                   default=frozenset())
-
-
-def _where(module: nn.Module, name: str) -> str:
-    return "/".join(module.scope.path) + ("" if name == "gemm" else f"/{name}")
-
-
-def _check_reaches(module: nn.Module, collection: str, name: str, what: str) -> None:
-    """Refuse a per-GEMM ``collection`` that the caller uses but a Linen transform around the
-    GEMM does not carry into its blocks: a scan that stacks the parameters and not this
-    collection hands its blocks none of it (a probe would read zeros, OutControl would never
-    split) or one for all of them."""
-    if collection not in _passed.get() and _creating.get() != collection:
-        return
-    lift = next((lift for lift in _lifts_around(module)
-                 if lift.stacks and lift.axis(collection) is None), None)
-    if lift is not None:
-        axis = lift.axis("params")
-        raise ValueError(f"{_where(module, name)}'s {what}: {lift} stacks the blocks' "
-                         f"parameters (variable_axes 'params': {axis}) but not the "
-                         f"'{collection}' collection, so its blocks would not get one each; "
-                         f"add '{collection}': {axis} to its variable_axes")
-
-
-def _gemm_state(module: nn.Module, collection: str, name: str, init, what: str, build: str):
-    """The GEMM's variable ``name`` of ``collection`` (a probe, an amax history): created
-    with ``init`` while QuantizedLinen builds the collection, read when the caller passed it;
-    ``None`` when the caller did not. A collection passed without this GEMM's entry, or with
-    one of another shape, is an error (``build``: the QuantizedLinen method that builds
-    it)."""
-    _check_reaches(module, collection, name, what)
-    if _creating.get() == collection:
-        return module.variable(collection, name, init).value
-    fix = (f"build the '{collection}' collection with QuantizedLinen.{build}(variables, "
-           "*inputs) for these inputs")
-    if module.has_variable(collection, name):
-        value = module.get_variable(collection, name)
-        if value is None:  # a caller's way of switching one off
-            return None
-        want = jnp.shape(jax.eval_shape(init))
-        if jnp.shape(value) != want:
-            raise ValueError(f"{_where(module, name)}'s {what} has shape {jnp.shape(value)} "
-                             f"here, not {want}: {fix} (under nn.scan it is stacked along the "
-                             "scan's axis)")
-        return value
-    if collection in _passed.get() and not module.is_initializing():
-        raise ValueError(f"{_where(module, name)}: the '{collection}' collection passed to "
-                         f"apply has no {what} for it; {fix}")
-    return None
-
-
-def _linen_probe(module: nn.Module, name: str = "gemm"):
-    """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed the
-    ``"probes"`` collection: variable ``name`` of ``module`` (``"gemm"`` for a layer,
-    ``"einsum_0"``... for a call)."""
-    return _gemm_state(module, "probes", name, probe_zeros, "probe", "probe_zeros")
-
-
-def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
-    """The GEMM's amax history (the ``"amax_history"`` collection; see
-    :meth:`QuantizedLinen.history_init`) when its recipe uses delayed scaling."""
-    if recipe.delayed is None:
-        return None
-    history = _gemm_state(module, "amax_history", name, lambda: init_history(recipe.delayed),
-                          "amax history", "history_init")
-    if history is not None:
-        return history
-    if module.is_initializing() or _recording.get() is not None:  # shapes only
-        return init_history(recipe.delayed)
-    raise ValueError(f"{_where(module, name)} uses recipe {recipe.name} with delayed scaling: "
-                     "pass its amax history in the 'amax_history' collection "
-                     "(QuantizedLinen.history_init gives the first one)")
-
-
-def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
-                    name: str = "gemm"):
-    """OutControl's state of a GEMM whose recipe has ``outliers``: when the caller made the
-    ``"channel_norms"`` collection mutable, this call's per-channel L2 norms of X are added to
-    its variable ``name`` (zeros at first); the GEMM's ``"outlier_channels"`` variable, if
-    given, is its split (``fp4lab.outcontrol``). ``None``: the recipe without the split."""
-    if recipe.outliers is None:
-        return None
-    _check_reaches(module, "channel_norms", name, "channel norms")
-    _check_reaches(module, "outlier_channels", name, "outlier channels")
-    if (module.is_mutable_collection("channel_norms") and not module.is_initializing()
-            and _recording.get() is None):
-        norms = outcontrol.channel_norms(lhs, dimension_numbers)
-        v = module.variable("channel_norms", name, jnp.zeros, norms.shape, jnp.float32)
-        v.value = v.value + norms
-    if module.has_variable("outlier_channels", name):
-        return module.get_variable("outlier_channels", name)
-    return None
 
 
 @contextlib.contextmanager
@@ -254,12 +38,9 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None):
-        _note("/".join(module.scope.path), rhs)
-        return qdot_general(lhs, rhs, dimension_numbers, recipe,
-                            key=_linen_key(module, recipe), probe=_linen_probe(module),
-                            amax_history=_linen_history(module, recipe),
-                            channels=_linen_channels(module, recipe, lhs, dimension_numbers),
-                            backend=backend,
+        note_weight("/".join(module.scope.path), rhs)
+        state = gemm_state(module, recipe, operand_x=lambda: (lhs, dimension_numbers))
+        return qdot_general(lhs, rhs, dimension_numbers, recipe, **state, backend=backend,
                             preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
@@ -284,12 +65,10 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
                                                              kernel)
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
-    _note("/".join(module.scope.path), kernel)
-    channels = None if recipe.outliers is None else _linen_channels(
-        module, recipe, inputs, plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers)
-    y = qeinsum(spec, inputs, kernel, recipe, key=_linen_key(module, recipe),
-                probe=_linen_probe(module), amax_history=_linen_history(module, recipe),
-                channels=channels, backend=backend,
+    note_weight("/".join(module.scope.path), kernel)
+    state = gemm_state(module, recipe, operand_x=lambda: (
+        inputs, plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers))
+    y = qeinsum(spec, inputs, kernel, recipe, **state, backend=backend,
                 preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
@@ -346,12 +125,8 @@ class _OpNamer(CallCounter):
 
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call with its module's key, probe, amax history and OutControl."""
-    channels = None if recipe.outliers is None else _linen_channels(
-        module, recipe, *operand_x(op_path, kind, args, kwargs), name)
-    return quantized_call(op_path, kind, recipe, args, kwargs,
-                          key=_linen_key(module, recipe), probe=_linen_probe(module, name),
-                          amax_history=_linen_history(module, recipe, name), channels=channels,
-                          backend=backend)
+    state = gemm_state(module, recipe, name, lambda: operand_x(op_path, kind, args, kwargs))
+    return quantized_call(op_path, kind, recipe, args, kwargs, **state, backend=backend)
 
 
 def _hooked_call(module, recipe, backend, next_fun, args, kwargs):
@@ -415,18 +190,6 @@ class QuantizedLinen:
             return found
         return self._record(variables, args, kwargs)[1]
 
-    def _assign(self, module: nn.Module, path: str, kind: str, num_blocks: int | None,
-                op: bool = False) -> Assignment | None:
-        """The assignment of a GEMM met while ``module`` runs; blocks stacked by a Linen
-        scan (or vmap) run one traced body, so they get one recipe, or are refused where the
-        rules would give them different ones. ``None``: a call no op rule quantizes."""
-        stack = _stack(module)
-        if stack and self.policy.block_of(path) is None:
-            return self.policy.assign_stacked(path, kind, num_blocks or math.prod(stack), stack)
-        if op:
-            return self.policy.assign_op(path, kind, num_blocks)
-        return self.policy.assign(path, kind, num_blocks)
-
     def _apply(self, variables, args, kwargs, num_blocks: int | None
                ) -> tuple[object, dict[str, Assignment]]:
         """``model.apply`` with every governed call quantized, and what each GEMM it met got
@@ -439,7 +202,7 @@ class QuantizedLinen:
             if context.method_name != "__call__" or kind is None or m.is_initializing():
                 return next_fun(*args, **kwargs)
             path = "/".join(m.scope.path)
-            met[path] = a = self._assign(m, path, kind, num_blocks)
+            met[path] = a = self.policy.assign(path, kind, num_blocks, stack=stack_of(m))
             return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
         namer = _OpNamer()
@@ -449,11 +212,10 @@ class QuantizedLinen:
             if found is None or found[0].is_initializing():
                 return original(*args, **kwargs)
             module, name, op_path = found
-            a = self._assign(module, op_path, kind, num_blocks, op=True)
-            met[op_path] = a or Assignment(op_path, kind, self.policy.block_of(op_path),
-                                           None, None, _stack(module))
-            _note(op_path, operand_w(kind, args))
-            if a is None or runs_as_written(a.recipe, kind, args):
+            met[op_path] = a = self.policy.assign(op_path, kind, num_blocks,
+                                                  stack=stack_of(module))
+            note_weight(op_path, operand_w(kind, args))
+            if a.recipe is None or runs_as_written(a.recipe, kind, args):
                 return original(*args, **kwargs)
             return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
                                  kwargs)
@@ -465,8 +227,8 @@ class QuantizedLinen:
             stack.enter_context(nn.intercept_methods(intercept))
             if self.policy.governs_ops:
                 stack.enter_context(OpCalls.intercepted(op))
-            token = _passed.set(frozenset(passed))
-            stack.callback(_passed.reset, token)
+            token = PASSED.set(frozenset(passed))
+            stack.callback(PASSED.reset, token)
             return self.model.apply(variables, *args, **kwargs), met
 
     def _trace(self, variables, args, kwargs, num_blocks, creating: str | None = None):
@@ -486,12 +248,12 @@ class QuantizedLinen:
             met.update(found)
             return out[1].get(creating, {}) if creating is not None else out
 
-        tokens = _recording.set(seen), _creating.set(creating)
+        tokens = RECORDING.set(seen), CREATING.set(creating)
         try:
             state = trace_abstractly(run, (variables, *args), kwargs)
         finally:
-            _creating.reset(tokens[1])
-            _recording.reset(tokens[0])
+            CREATING.reset(tokens[1])
+            RECORDING.reset(tokens[0])
         return [dataclasses.replace(a, compute_dtype=seen.get(p)) for p, a in met.items()], state
 
     def _record(self, variables, args, kwargs) -> tuple[ExplainTable, int | None]:

@@ -286,6 +286,11 @@ def test_errors_name_the_value():
                             fprop_w=OperandQuant(format="nvfp4_double", hadamard=16))
 
 
-def test_describe_names_outcontrol():
-    d = get_recipe("tetrajet_v2_outcontrol").describe()
-    assert "OutControl: top 10% of K in mxfp8" in d
+def test_describe_and_explain_say_that_outcontrol_splits_k():
+    from fp4lab.policy import all_layers, explain
+
+    r = get_recipe("tetrajet_v2_outcontrol")
+    assert "OutControl: splits K, the top 10% of it in mxfp8" in r.describe()
+    table = str(explain(all_layers(r), ["blocks_0/mlp/up"]))
+    assert "tetrajet_v2_outcontrol (splits K)" in table  # the layer's row
+    assert "OutControl: splits K" in table  # and the recipe's notes

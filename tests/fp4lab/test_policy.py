@@ -76,11 +76,11 @@ def test_first_match_wins_and_kind_and_default():
                                Rule(recipe="bf16", pattern="blocks_1/.*"),
                                Rule(recipe="fp8_hybrid", kind="einsum")),
                         default="nvfp4")
-    assert p.recipe_for("blocks_1/out_proj").name == "mxfp8"  # first rule wins
-    assert p.recipe_for("blocks_1/in_proj").name == "bf16"
-    assert p.recipe_for("blocks_2/x", kind="einsum").name == "fp8_hybrid"
-    assert p.recipe_for("blocks_2/x", kind="dense").name == "nvfp4"
-    assert p.recipe_for("blocks_11/out_proj_extra").name == "nvfp4"  # fullmatch, not search
+    assert p.assign("blocks_1/out_proj").recipe.name == "mxfp8"  # first rule wins
+    assert p.assign("blocks_1/in_proj").recipe.name == "bf16"
+    assert p.assign("blocks_2/x", kind="einsum").recipe.name == "fp8_hybrid"
+    assert p.assign("blocks_2/x", kind="dense").recipe.name == "nvfp4"
+    assert p.assign("blocks_11/out_proj_extra").recipe.name == "nvfp4"  # fullmatch, not search
 
 
 def test_depth_selectors():
@@ -104,7 +104,7 @@ def test_unused_rules_are_reported_and_strict_raises():
 
 def test_presets_by_name_and_errors():
     assert get_policy("nemotron3").name == "nemotron3"
-    assert get_policy("all:mxfp8").recipe_for("anything").name == "mxfp8"
+    assert get_policy("all:mxfp8").assign("anything").recipe.name == "mxfp8"
     assert all_layers("bf16").rules == ()
     with pytest.raises(ValueError, match="unknown policy 'nemotron4'"):
         get_policy("nemotron4")
@@ -132,14 +132,10 @@ def test_reprs_name_registered_recipes_and_skip_defaults():
 @pytest.fixture
 def registry():
     """The registry of policy names as it was, restored after the test."""
-    import fp4lab.policy as policy_module
+    from fp4lab.policy.registry import scoped_registry
 
-    names, families = dict(policy_module._NAMES), dict(policy_module._FAMILIES)
-    yield
-    policy_module._NAMES.clear()
-    policy_module._NAMES.update(names)
-    policy_module._FAMILIES.clear()
-    policy_module._FAMILIES.update(families)
+    with scoped_registry():
+        yield
 
 
 def test_a_recipe_or_its_name_is_every_layer_in_it():
