@@ -145,15 +145,36 @@ def _ocdbt_damage(item: Path, step_dir: Path) -> list[str]:
     manifest = item / "manifest.ocdbt"
     if not manifest.exists():  # not OCDBT: orbax's own error (restore_checkpoint) says it
         return []
-    rel = lambda p: str(p.relative_to(step_dir))  # noqa: E731
+    files = _OcdbtFiles(item, step_dir)
     if manifest.stat().st_size == 0:
-        return [f"{rel(manifest)} is empty (0 bytes)"]
+        return [f"{files.rel(manifest)} is empty (0 bytes)"]
     import tensorstore as ts
 
-    need: dict[Path, int] = {}
-    problems: dict[Path, str] = {}
+    try:
+        base = ts.KvStore.open({"driver": "file", "path": f"{item}/"}).result()
+        versions = ts.ocdbt.dump(base).result()["versions"]
+    except (ValueError, KeyError) as e:
+        return [f"{files.rel(manifest)} cannot be read ({_tensorstore_reason(e, step_dir)})"]
+    root = versions[-1]["root"].get("location") if versions else None
+    files.walk(lambda location: ts.ocdbt.dump(base, location).result()["entries"], root)
+    for path in list(files.need):
+        files.check(path)
+    return list(files.problems.values())
 
-    def file_of(location: str) -> Path | None:
+
+class _OcdbtFiles:
+    """The files an OCDBT database's locations refer to (``need``: the bytes each must
+    hold) and what is wrong with them (``problems``, one line per file)."""
+
+    def __init__(self, item: Path, step_dir: Path):
+        self.item, self.step_dir = item, step_dir
+        self.need: dict[Path, int] = {}
+        self.problems: dict[Path, str] = {}
+
+    def rel(self, path: Path) -> str:
+        return str(path.relative_to(self.step_dir))
+
+    def file_of(self, location: str) -> Path | None:
         """The file a location (``<kind>:<base>:<path>:<offset>:<length>``) is in, its need
         recorded; None for a location of another form."""
         try:
@@ -162,47 +183,43 @@ def _ocdbt_damage(item: Path, step_dir: Path) -> list[str]:
             end = int(offset) + int(length)
         except (ValueError, IndexError):
             return None
-        path = item / (base + path)
-        need[path] = max(need.get(path, 0), end)
+        path = self.item / (base + path)
+        self.need[path] = max(self.need.get(path, 0), end)
         return path
 
-    def check(path: Path) -> bool:
-        if path in problems:
+    def check(self, path: Path) -> bool:
+        """Whether ``path`` exists and holds the bytes needed (else its problem recorded)."""
+        if path in self.problems:
             return False
         size = path.stat().st_size if path.is_file() else None
         if size is None:
-            problems[path] = f"{rel(path)} is missing"
-        elif size < need[path]:
-            problems[path] = (f"{rel(path)} is " + ("empty" if size == 0 else "cut short") +
-                              f" ({size} bytes; the checkpoint needs {need[path]})")
-        return path not in problems
+            self.problems[path] = f"{self.rel(path)} is missing"
+        elif size < self.need[path]:
+            self.problems[path] = (f"{self.rel(path)} is " + ("empty" if size == 0 else
+                                                              "cut short") +
+                                   f" ({size} bytes; the checkpoint needs {self.need[path]})")
+        return path not in self.problems
 
-    try:
-        base = ts.KvStore.open({"driver": "file", "path": f"{item}/"}).result()
-        versions = ts.ocdbt.dump(base).result()["versions"]
-    except (ValueError, KeyError) as e:
-        return [f"{rel(manifest)} cannot be read ({_tensorstore_reason(e, step_dir)})"]
-    root = versions[-1]["root"].get("location") if versions else None
-    todo = [root] if root else []
-    while todo:
-        location = todo.pop()
-        node = file_of(location)
-        if node is None or not check(node):
-            continue
-        try:
-            entries = ts.ocdbt.dump(base, location).result()["entries"]
-        except (ValueError, KeyError) as e:
-            problems[node] = (f"{rel(node)} cannot be read "
-                              f"({_tensorstore_reason(e, step_dir)})")
-            continue
-        for entry in entries:
-            if "location" in entry:  # a subtree
-                todo.append(entry["location"])
-            elif "indirect_value" in entry:  # an array's chunk, in a data file
-                file_of(entry["indirect_value"])
-    for path in need:
-        check(path)
-    return list(problems.values())
+    def walk(self, entries_at, root: str | None):
+        """The B+tree from ``root``: each node's file checked and read (``entries_at``), its
+        subtrees followed and its arrays' data files recorded."""
+        todo = [root] if root else []
+        while todo:
+            location = todo.pop()
+            node = self.file_of(location)
+            if node is None or not self.check(node):
+                continue
+            try:
+                entries = entries_at(location)
+            except (ValueError, KeyError) as e:
+                self.problems[node] = (f"{self.rel(node)} cannot be read "
+                                       f"({_tensorstore_reason(e, self.step_dir)})")
+                continue
+            for entry in entries:
+                if "location" in entry:  # a subtree
+                    todo.append(entry["location"])
+                elif "indirect_value" in entry:  # an array's chunk, in a data file
+                    self.file_of(entry["indirect_value"])
 
 
 def _tensorstore_reason(e: BaseException, step_dir: Path | None = None) -> str:

@@ -301,8 +301,8 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, with_probes: bool
             delayed.update(state.amax_history, seen), state.amax_history)
         norms = state.channel_norms
         if phase == "record":
-            norms = keep(recorded_channel_norms(qmodel, state.params, state.amax_history, norms, tokens,
-                                   key), norms)
+            norms = keep(recorded_channel_norms(qmodel, state.params, state.amax_history, norms,
+                                                tokens, key), norms)
         new = TrainState(step=jnp.where(ok, state.step + 1, state.step),
                          params=keep(params, state.params),
                          opt_state=keep(opt_state, state.opt_state),

@@ -97,14 +97,15 @@ def train(run: RunSpec | object, workdir, *, data: TextData | None = None,
     folder starts the run; a folder holding a checkpoint resumes its latest one bit-exactly
     (batches and stochastic-rounding keys are functions of the step; the metrics written
     after the checkpoint are dropped and recomputed), but only if its ``config.json``
-    (:func:`~experiments.run_spec.config_record`) equals this run's record, except for the keys
-    (``"train.steps"``) or sections (``"train"``) in ``allow_changes``, which
-    ``config_changes.jsonl`` and the result then record; otherwise ValueError naming the keys
-    (:func:`~experiments.run_spec.describe_changes`). Every device takes part (data parallelism); in a
-    multi-process run (``jax.distributed``) only process 0 writes files and every process
-    saves and restores the checkpoints in the shared ``workdir``. A non-finite loss or
-    gradient saves the last good state and raises :class:`TrainingDiverged`; Ctrl-C stops
-    after the step in progress, saves and raises :class:`TrainingInterrupted`."""
+    (:func:`~experiments.run_spec.config_record`) equals this run's record, except for the
+    keys (``"train.steps"``) or sections (``"train"``) in ``allow_changes``, which
+    ``config_changes.jsonl`` and the result then record; otherwise ValueError naming the
+    keys (:func:`~experiments.run_spec.describe_changes`). Every device takes part (data
+    parallelism); in a multi-process run (``jax.distributed``) only process 0 writes files
+    and every process saves and restores the checkpoints in the shared ``workdir``. A
+    non-finite loss or gradient saves the last good state and raises
+    :class:`~experiments.loop.TrainingDiverged`; Ctrl-C stops after the step in progress,
+    saves and raises :class:`~experiments.loop.TrainingInterrupted`."""
     workdir = Path(workdir).resolve()
     if workdir.exists() and not workdir.is_dir():
         raise NotADirectoryError(f"workdir {str(workdir)!r} is a file: a run's files need a "

@@ -49,8 +49,9 @@ import jax.numpy as jnp
 
 from fp4lab import rounding
 from fp4lab.formats import Format
+from fp4lab.geometry import from_blocks, to_blocks
 from fp4lab.quantize import (check_amax_covers, check_arguments, dequantize_blocks,
-                             from_blocks, quantize_blocks, rounded_output, to_blocks)
+                             quantize_blocks, rounded_output)
 
 __all__ = ["quant_metrics", "operand_metrics", "METRIC_NAMES", "error_metrics"]
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4lab.hadamard import TE_SIGNS, hadamard_matrix, random_signs, rht, rht_matrix, rht_transpose, rotate
+from fp4lab.hadamard import (TE_SIGNS, hadamard_matrix, random_signs, rht, rht_matrix,
+                             rht_transpose, rotate)
 
 
 def numpy_rht_groups(g, signs, n):
