@@ -11,7 +11,7 @@ import jax
 
 from experiments.records import RunRecords
 from experiments.run_spec import describe_changes, stored_changes
-from experiments.runs import restore_checkpoint
+from experiments.run_files import restore_checkpoint
 from experiments.setup import Setup
 from experiments.step import TrainState
 
@@ -41,7 +41,7 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def restore(self, like: TrainState) -> TrainState:
-        """The latest checkpoint (damaged files: one line, ``runs.restore_checkpoint``)."""
+        """The latest checkpoint (damaged files: one line, ``run_files.restore_checkpoint``)."""
         abstract = jax.tree.map(self._ocp.utils.to_shape_dtype_struct, like)
         step = self.latest()
         return restore_checkpoint(self.dir.parent, step, lambda: self.manager.restore(

@@ -21,7 +21,7 @@ from experiments import policies
 from experiments.configs import POLICY_HASH, config_changes, format_changes
 from experiments.data import TextData, load_data
 from experiments.memory import check_memory
-from experiments.runs import read_run_json
+from experiments.run_files import read_run_json
 from experiments.step import GradReduce, make_optimizer, model_config
 from fp4lab.policy import PrecisionPolicy, policy_to_dict
 

@@ -34,7 +34,7 @@ from experiments.processes import (DISTRIBUTED_TIMEOUT_S, checked_timeout, conne
                                    initialize_distributed, sync)
 from experiments.records import RunRecords
 from experiments.run_spec import RunSpec, specify
-from experiments.runs import read_run_json
+from experiments.run_files import read_run_json
 from experiments.setup import Setup, build
 
 __all__ = ["train", "main"]

@@ -110,9 +110,7 @@ class OutControl:
 
 @functools.lru_cache(maxsize=None)
 def _outcontrol_recipes(recipe):
-    from fp4lab.recipe import OperandQuant  # (the recipe module holds OutControl fields)
-
-    high = OperandQuant(format=recipe.outliers.format)
+    high = type(recipe.fprop_x)(format=recipe.outliers.format)  # an OperandQuant
     rest = dataclasses.replace(recipe, outliers=None)
     outliers = dataclasses.replace(
         rest, name=f"{recipe.name}:outliers", fprop_x=high, fprop_w=high,

@@ -20,7 +20,7 @@ import jax
 from experiments.data import load_data
 from experiments.records import write_json_atomic
 from experiments.run_spec import RunSpec, describe_changes, specify, stored_changes
-from experiments.runs import read_run_json
+from experiments.run_files import read_run_json
 from experiments.sweep.plan import PlannedRun, planned_runs, run_config
 from experiments.sweep.report import write_reports
 from experiments.sweep.result import RunResult, identity
