@@ -74,7 +74,7 @@ def restore_params(workdir, like: dict) -> dict:
     return ckpt.restore_params(like)
 
 
-def _check_resume(workdir: Path, setup: Setup, policy: str, allow_changes) -> dict:
+def _check_resume(workdir: Path, setup: Setup, allow_changes) -> dict:
     """The config changes of a resumed run: refused unless every changed key is allowed (by
     its dotted name or its section, e.g. ``train``)."""
     changes = stored_changes(workdir, setup.spec.record, setup.spec.data) or {}
@@ -83,19 +83,18 @@ def _check_resume(workdir: Path, setup: Setup, policy: str, allow_changes) -> di
                if k not in allowed and k.split(".")[0] not in allowed}
     if refused:
         raise ValueError(
-            f"{workdir} holds {describe_changes(refused, policy)}; resuming it would blend two "
-            "runs. Use another --workdir, remove this one, or continue this run with the new "
-            f"values: --allow-changes {','.join(refused)}")
+            f"{workdir} holds {describe_changes(refused, setup.spec.config.precision.policy)}; "
+            "resuming it would blend two runs. Use another --workdir, remove this one, or "
+            f"continue this run with the new values: --allow-changes {','.join(refused)}")
     return changes
 
 
-def resume(ckpt: Checkpoints, records: RunRecords, setup: Setup, config,
-            allow_changes) -> TrainState:
+def resume(ckpt: Checkpoints, records: RunRecords, setup: Setup, allow_changes) -> TrainState:
     """The state to start from: the latest checkpoint's (the metrics written after it are
     dropped) or the initial one for a new run; writes ``config.json`` and the changes."""
     start, changes, state = 0, {}, setup.state
     if ckpt.latest() is not None:
-        changes = _check_resume(records.out, setup, config.precision.policy, allow_changes)
+        changes = _check_resume(records.out, setup, allow_changes)
         state = ckpt.restore(state)
         start = int(state.step)
         records.keep_before(start)

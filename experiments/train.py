@@ -123,7 +123,7 @@ def train(run: RunSpec | object, workdir, *, data: TextData | None = None,
     records = RunRecords(workdir, write=writer)
     if writer:
         ckpt.remove_partial()
-    state = resume(ckpt, records, setup, config, allow_changes)
+    state = resume(ckpt, records, setup, allow_changes)
     start = int(state.step)
     info = start_run_info(records, setup.spec.record, start)
     sync("resumed")  # process 0 has rewritten metrics.jsonl for the others to read

@@ -23,12 +23,11 @@ class ExplainTable(list):
 
     def __str__(self):
         w = max([len(a.path) for a in self] + [5])
-        names = {id(a): "-" if a.recipe is None else a.recipe.name + (
-            " (splits K)" if a.recipe.outliers else "") for a in self}
-        rw = max([len(n) for n in names.values()] + [16])
+        names = [_recipe_label(a.recipe) for a in self]
+        rw = max([len(n) for n in names] + [16])
         lines = [f"policy {self.policy.name}: {len(self)} layers",
                  f"{'layer'.ljust(w)}  {'kind':15s}  {'block':>5}  {'recipe'.ljust(rw)}  rule"]
-        for a in self:
+        for a, name in zip(self, names, strict=True):
             rule = "default" if a.rule is None else self.policy.rules[a.rule].label()
             if a.recipe is None:
                 rule = "no rule of this op kind: not quantized"
@@ -36,7 +35,7 @@ class ExplainTable(list):
             if a.stack:
                 blk = f"0-{math.prod(a.stack) - 1}"
             lines.append(f"{a.path.ljust(w)}  {a.kind or '-':15s}  {blk:>5}  "
-                         f"{names[id(a)].ljust(rw)}  {rule}")
+                         f"{name.ljust(rw)}  {rule}")
         for i in self.unused:
             r = self.policy.rules[i]
             what = "UNUSED rule" if r.required else "unused optional rule"
@@ -47,6 +46,13 @@ class ExplainTable(list):
         for r in recipes:
             lines += _recipe_lines(r)
         return "\n".join(lines)
+
+
+def _recipe_label(r: Recipe | None) -> str:
+    """A row's recipe: its name, marked where the layer splits K (OutControl)."""
+    if r is None:
+        return "-"
+    return r.name + (" (splits K)" if r.outliers else "")
 
 
 def _recipe_lines(r: Recipe) -> list[str]:
