@@ -1,5 +1,5 @@
-"""The training loop of one run: steps (with the late precision switch, OutControl's
-phases, probes), evaluation, checkpoints at their interval, logging, Ctrl-C after a whole
+"""The training loop of one run: steps (with the late precision switch and the modes of the
+stateful features: OutControl's phases, probe steps), evaluation, checkpoints at their interval, logging, Ctrl-C after a whole
 step and the stop on a non-finite loss."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from experiments.probes import probe_records
 from experiments.records import RunRecords
 from experiments.run_spec import switch_step
 from experiments.setup import Setup
-from experiments.step import TrainState, make_eval, make_step
+from experiments.step import TrainState, feature_variables, make_eval, make_step
 
 __all__ = ["Loop", "StepLog", "Interval", "StopOnInterrupt", "TrainingDiverged",
            "TrainingInterrupted"]
@@ -108,11 +108,8 @@ class StepLog:
 
 
 class _Programs:
-    """The compiled train steps (per model and probing) and evaluations of one run; a new
-    program marks the log's interval (its compile time is not training time). With
-    ``probes.fused`` every step of the quantized model computes the probes (one program,
-    about 10 % slower per step on CPU); without, a second program probes on probe steps
-    only."""
+    """The compiled train steps (per model and the features' modes) and evaluations of one
+    run; a new program marks the log's interval (its compile time is not training time)."""
 
     def __init__(self, config, setup: Setup, log: StepLog):
         self.config, self.setup, self.log = config, setup, log
@@ -120,26 +117,26 @@ class _Programs:
         self._val = setup.spec.data.val_batches(config.data.val_batches, config.data.batch_size,
                                            config.data.seq_len)
 
-    def step(self, model, with_probes: bool, phase: str = "plain"):
-        k = (id(model), with_probes, phase)
+    def step(self, model, modes: tuple[str, ...]):
+        k = (id(model), modes)
         if k not in self._steps:
             self.log.interval.compiled = True
             self._steps[k] = make_step(model, self.setup.tx, self.setup.sched,
                                        self.config.seed, self.config.train.mtp_weight,
-                                       with_probes, self.setup.spec.grad_reduce,
-                                       self.setup.place.batch.mesh, self.setup.osci, phase)
+                                       self.setup.features, modes, self.setup.spec.grad_reduce,
+                                       self.setup.place.batch.mesh)
         return self._steps[k]
 
     def evaluate(self, model, state: TrainState, steps_done: int) -> float:
-        """Validation loss after ``steps_done`` steps (delayed scaling: with the history the
-        next step would use; OutControl: split as the next step would be)."""
-        split = self.setup.phase(model, steps_done) == "split"
-        k = (id(model), split)
-        if k not in self._evals:
-            self._evals[k] = make_eval(model, self.config.seed, split)
-        f = self._evals[k]
-        return float(np.mean([f(state.params, state.amax_history, state.channel_norms,
-                                *self.setup.place.put(b)) for b in self._val]))
+        """Validation loss after ``steps_done`` steps, with the features' collections as
+        the next step would use them (delayed scaling's histories, OutControl's split)."""
+        if id(model) not in self._evals:
+            self._evals[id(model)] = make_eval(model, self.config.seed)
+        f = self._evals[id(model)]
+        observed, fixed = feature_variables(self.setup.features, state.features,
+                                            self.setup.modes(model, steps_done), training=False)
+        return float(np.mean([f(state.params, observed | fixed, *self.setup.place.put(b))
+                              for b in self._val]))
 
 
 @dataclasses.dataclass
@@ -174,18 +171,14 @@ class Loop:
 
     def _step(self, s: int):
         c, model = self.config, self.model_at(s)
-        do_probe = bool(c.probes.every) and model is self.setup.qmodel and (
-            s % c.probes.every == 0 or s == c.train.steps - 1)
-        fn = self.programs.step(model, with_probes=bool(
-            self.setup.probes is not None and (c.probes.fused or do_probe)
-            and model is self.setup.qmodel), phase=self.setup.phase(model, s))
+        fn = self.programs.step(model, self.setup.modes(model, s))
         b = self.setup.spec.data.batch(c.seed, s, c.data.batch_size, c.data.seq_len)
-        self.state, metrics, probe_grads = fn(self.state, *self.setup.place.put(b),
-                                              self.setup.probes)
+        self.state, metrics, reports = fn(self.state, *self.setup.place.put(b))
         self.log.add(s, metrics)
-        if do_probe:
+        probes = self.setup.feature("probes")
+        if probes is not None and probes.reported(s, model is self.setup.qmodel):
             self._flush(s + 1)
-            rec = {"step": s, "probes": probe_records(jax.device_get(probe_grads))}
+            rec = {"step": s, "probes": probe_records(jax.device_get(reports["probes"]))}
             self.probe_history.append(rec)
             self.records.probes(rec)
             self.log.mark(s + 1)  # the probe fetch is not training time

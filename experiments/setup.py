@@ -1,7 +1,8 @@
 """A run's setup: from its checked specification (:mod:`experiments.run_spec`) to the
 quantized model, its all-BF16 twin for the late switch, the optimizer and the initial state
-placed on every device (data parallelism), with the stateful recipe features the policy's
-layers need (FP8 amax histories, OsciReset, OutControl's channel statistics)."""
+placed on every device (data parallelism), with the stateful features the run needs (each
+feature of ``fp4lab.features.registry.TRAINING`` that the policy's layers or the config
+use: FP8 amax histories, the probes, OutControl's channel statistics, OsciReset)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from experiments import policies
 from experiments.data import Batch
 from experiments.model import HybridLM
 from experiments.run_spec import RunSpec, switch_step
-from experiments.step import (OutControlSchedule, TrainState, channel_norms_zeros,
-                              make_optimizer, model_config)
-from fp4lab import osci_reset
+from experiments.step import TrainState, make_optimizer, model_config
+from fp4lab.features.protocol import Feature, Run
+from fp4lab.features.registry import TRAINING
 from fp4lab.flax import quantize_model
 
 __all__ = ["Placement", "Setup", "build"]
@@ -52,8 +53,8 @@ class Placement:
 @dataclasses.dataclass
 class Setup:
     """What a run trains: its specification, the quantized model (and its all-BF16 twin for
-    the late switch), the optimizer, the initial state and the probes' zero inputs (None: no
-    probes)."""
+    the late switch), the optimizer, the initial state and the stateful features it built
+    (their states are ``state.features``)."""
 
     spec: RunSpec
     place: Placement
@@ -62,59 +63,43 @@ class Setup:
     tx: object
     sched: object
     state: TrainState
-    probes: dict | None
     params: dict  # the initial parameters and a sample batch, for ``qmodel.explain``
     sample: jax.Array
-    osci: tuple | None = None  # (OsciReset, the kernel paths it tracks)
-    outcontrol: OutControlSchedule | None = None  # when a layer's recipe has OutControl
+    features: tuple[Feature, ...] = ()
 
-    def phase(self, model, steps_done: int) -> str:
-        """How OutControl's GEMMs run the next step (``"plain"`` without them)."""
-        if self.outcontrol is None or model is not self.qmodel:
-            return "plain"
-        return self.outcontrol.phase(steps_done)
+    def modes(self, model, step: int) -> tuple[str, ...]:
+        """What each feature does at ``step`` of ``model`` (the quantized one or the BF16
+        twin)."""
+        return tuple(f.mode(step, model is self.qmodel) for f in self.features)
 
-
-def _param(params: dict, path: str):
-    for k in path.split("/"):
-        params = params[k]
-    return params
+    def feature(self, name: str) -> Feature | None:
+        return next((f for f in self.features if f.name == name), None)
 
 
-def _osci(config, qmodel, params, sample) -> tuple | None:
-    """``train.osci_reset``: ``(OsciReset, paths)`` of the kernels whose layer's forward
-    weight the policy puts in its format (from the quantized model's record), or None."""
-    o = config.train.osci_reset
-    if not o.period:
+def _options(config, path: str | None):
+    """The config section at the dotted ``path`` (None: none)."""
+    if path is None:
         return None
-    cfg = osci_reset.OsciReset(period=o.period, window=o.window, threshold=o.threshold,
-                               start=o.start, format=o.format)
-    record = qmodel.assignments({"params": params}, sample, rngs={"quant": jax.random.key(0)})
-    paths = [f"{a.path}/kernel" for a in record if a.recipe is not None and not a.stack
-             and a.recipe.fprop_w.format == cfg.format]
-    if not paths:
-        raise ValueError(f"train.osci_reset: no layer's forward weight is in format "
-                         f"{cfg.format.name} under policy {config.precision.policy!r}")
-    return cfg, paths
+    for k in path.split("."):
+        config = config[k]
+    return config
 
 
-def _check_outcontrol(spec: RunSpec):
-    """A policy with OutControl layers: refused with per-replica gradients (its channel norms
-    are the global batch's) and where its split would never train (the record window ends
-    at or after the last quantized step)."""
-    config = spec.config
-    t, o = config.train, config.train.outcontrol
-    if spec.grad_reduce is not None:
-        raise ValueError(f"policy {config.precision.policy!r} has OutControl layers, whose "
-                         "channel norms are measured on the global batch: train.grad_reduce="
-                         f"{t.grad_reduce!r} (per-replica gradients) is not supported with them")
-    quantized = switch_step(t)
-    if o.start + o.steps >= quantized:
-        raise ValueError(f"train.outcontrol: the channels are chosen after step "
-                         f"{o.start + o.steps - 1} (start={o.start}, steps={o.steps}), but "
-                         f"the quantized model trains only steps 0-{quantized - 1} "
-                         f"(train.steps={t.steps}, bf16_last_fraction={t.bf16_last_fraction}): "
-                         f"policy {config.precision.policy!r} would never split")
+def _features(spec: RunSpec, qmodel, params, sample) -> tuple[Feature, ...]:
+    """The features of ``TRAINING`` the run uses, each built with its config section and the
+    collections of those before it, each checked against the run's gradient reduction."""
+    config, built, collections = spec.config, [], {}
+    t = config.train
+    for cls in TRAINING:
+        f = cls.build(Run(qmodel, config.precision.policy, params, sample,
+                          _options(config, cls.OPTIONS), t.steps, switch_step(t),
+                          dict(collections)))
+        if f is None:
+            continue
+        f.check(spec.grad_reduce is not None)
+        collections.update(f.variables(f.init(), f.mode(0, True), True))
+        built.append(f)
+    return tuple(built)
 
 
 def build(spec: RunSpec) -> Setup:
@@ -132,20 +117,11 @@ def build(spec: RunSpec) -> Setup:
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
     qmodel = quantize_model(model, policy, backend=config.precision.backend)
-    history = qmodel.history_init({"params": params}, sample) or None  # FP8 delayed scaling
-    osci = _osci(config, qmodel, params, sample)
-    norms = channel_norms_zeros(qmodel, params, sample, history)  # OutControl's, if any
-    if norms is not None:
-        _check_outcontrol(spec)
+    features = _features(spec, qmodel, params, sample)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
-                       bad_step=jnp.int32(-1), amax_history=history,
-                       osci=None if osci is None else osci_reset.init(
-                           [_param(params, p) for p in osci[1]]), channel_norms=norms)
-    o = t.outcontrol
-    return Setup(
-        spec=spec, place=place, qmodel=qmodel,
-        osci=osci, outcontrol=None if norms is None else OutControlSchedule(o.start, o.steps),
-        bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
-        state=jax.device_put(state, place.replicated),
-        probes=qmodel.probe_zeros({"params": params}, sample) if config.probes.every else None,
-        params=params, sample=sample)
+                       bad_step=jnp.int32(-1),
+                       features={f.name: s for f in features if (s := f.init()) is not None})
+    return Setup(spec=spec, place=place, qmodel=qmodel,
+                 bf16_model=quantize_model(model, policies.get("bf16")), tx=tx, sched=sched,
+                 state=jax.device_put(state, place.replicated), params=params, sample=sample,
+                 features=features)

@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4lab.features.protocol import Feature, Run, StepContext, Update
 from fp4lab.operands import OPERANDS
 
-__all__ = ["DelayedScaling", "init_history", "history_amax", "update"]
+__all__ = ["DelayedScaling", "init_history", "history_amax", "update", "AmaxHistories"]
 
 
 
@@ -104,3 +105,32 @@ def update(history, observed):
         return jnp.concatenate([g[..., :1].astype(h.dtype), h[..., :-1]], axis=-1)
 
     return jax.tree.map(roll, history, observed)
+
+
+class AmaxHistories(Feature):
+    """Delayed scaling in a training run: the ``"amax_history"`` collection of every GEMM
+    whose recipe has ``delayed`` (``QuantizedLinen.history_init``), given to each step's
+    forward and rolled with the amaxes it observed (the maximum over replicas)."""
+
+    name = "amax_history"
+    observes = True
+
+    def __init__(self, histories: dict):
+        self.histories = histories
+
+    @classmethod
+    def build(cls, run: Run) -> AmaxHistories | None:
+        histories = run.qmodel.history_init({"params": run.params}, run.sample)
+        return cls(histories) if histories else None
+
+    def init(self) -> dict:
+        return self.histories
+
+    def variables(self, state, mode: str, training: bool) -> dict:
+        return {"amax_history": state}
+
+    def combine_replicas(self, observed: dict, axis: str) -> dict:
+        return jax.tree.map(lambda a: jax.lax.pmax(a, axis), observed)
+
+    def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
+        return Update(update(state, ctx.observed["amax_history"]), params)

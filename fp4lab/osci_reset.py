@@ -27,10 +27,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4lab.features.protocol import Feature, Run, StepContext, Update
 from fp4lab.formats import Format, get_format
 from fp4lab.quantize import fake_quant
 
-__all__ = ["OsciReset", "OsciState", "init", "step"]
+__all__ = ["OsciReset", "OsciState", "init", "step", "Oscillations"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,3 +111,48 @@ def step(cfg: OsciReset, weights: list[jax.Array], state: OsciState, t
         ~state.armed, 0, jnp.where(phase <= cfg.window, 2,
                                    jnp.where(phase == cfg.window + 1, 3, 0)))))
     return jax.lax.switch(branch, [idle, snapshot, track, reset], None)
+
+
+class Oscillations(Feature):
+    """OsciReset in a training run (config section ``train.osci_reset``; ``period`` 0: off):
+    :func:`step` after every optimizer step on the kernels whose layer's forward weight the
+    policy puts in its ``format``; logs ``osci_resets``, how many entries it reset."""
+
+    name = "osci_reset"
+    OPTIONS = "train.osci_reset"
+
+    def __init__(self, cfg: OsciReset, paths: list[str], state: OsciState):
+        self.cfg, self.paths, self.state = cfg, paths, state
+
+    @classmethod
+    def build(cls, run: Run) -> Oscillations | None:
+        o = run.options
+        if not o.period:
+            return None
+        cfg = OsciReset(period=o.period, window=o.window, threshold=o.threshold,
+                        start=o.start, format=o.format)
+        paths = [f"{a.path}/kernel" for a in run.assignments if a.recipe is not None
+                 and not a.stack and a.recipe.fprop_w.format == cfg.format]
+        if not paths:
+            raise ValueError(f"train.osci_reset: no layer's forward weight is in format "
+                             f"{cfg.format.name} under policy {run.policy!r}")
+        flat = _flat(run.params)
+        return cls(cfg, paths, init([flat[p] for p in paths]))
+
+    def init(self) -> OsciState:
+        return self.state
+
+    def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
+        from flax import traverse_util
+
+        flat = _flat(params)
+        weights, new, count = step(self.cfg, [flat[p] for p in self.paths], state, ctx.step)
+        flat.update(zip(self.paths, weights, strict=True))
+        return Update(new, traverse_util.unflatten_dict(flat, sep="/"),
+                      {"osci_resets": count})
+
+
+def _flat(params: dict) -> dict:
+    from flax import traverse_util
+
+    return traverse_util.flatten_dict(params, sep="/")

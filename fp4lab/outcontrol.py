@@ -31,9 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp4lab.features.protocol import Feature, Run, StepContext, Update
 from fp4lab.formats import Format, get_format
 
-__all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "split_gemm"]
+__all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "split_gemm",
+           "OutlierChannels"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,3 +194,76 @@ def _split_bwd(n, axis, channels, g):
 
 
 _split.defvjp(_split_fwd, _split_bwd)
+
+
+class OutlierChannels(Feature):
+    """OutControl in a training run (config section ``train.outcontrol``: ``start``,
+    ``steps``): the ``"channel_norms"`` collection, zeros of every OutControl GEMM's K at
+    first; steps ``[start, start + steps)`` of the quantized model add their input-channel
+    norms (a forward pass of the step's own inputs, key and collections: the activations it
+    trains on), and from then on the GEMMs split K by their order (``"outlier_channels"``).
+    Each K is checked against its recipe's channel count when the feature is built."""
+
+    name = "channel_norms"
+    OPTIONS = "train.outcontrol"
+
+    def __init__(self, zeros: dict, start: int, steps: int):
+        self.zeros, self.start, self.steps = zeros, start, steps
+
+    @classmethod
+    def build(cls, run: Run) -> OutlierChannels | None:
+        recipes = {a.path: a.recipe for a in run.assignments
+                   if a.recipe is not None and a.recipe.outliers}
+        if not recipes:
+            return None
+        o = run.options
+        if o.start + o.steps >= run.quantized_steps:
+            raise ValueError(f"train.outcontrol: the channels are chosen after step "
+                             f"{o.start + o.steps - 1} (start={o.start}, steps={o.steps}), but "
+                             f"the quantized model trains only steps 0-"
+                             f"{run.quantized_steps - 1}: policy {run.policy!r} would never "
+                             "split")
+        rngs = {"quant": jax.random.key(0)}
+        shapes = jax.eval_shape(lambda v: run.qmodel.apply(v, run.sample, rngs=rngs,
+                                                           mutable=["channel_norms"])[1],
+                                run.variables)["channel_norms"]
+        for path, s in jax.tree_util.tree_leaves_with_path(shapes):
+            layer = "/".join(k.key for k in path[:-1])
+            recipes[layer].outliers.count(s.shape[0])  # an error naming K
+        return cls(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), o.start,
+                   o.steps)
+
+    def init(self) -> dict:
+        return self.zeros
+
+    def check(self, per_replica: bool) -> None:
+        if per_replica:
+            raise ValueError("the policy has OutControl layers, whose channel norms are "
+                             "measured on the global batch: train.grad_reduce (per-replica "
+                             "gradients) is not supported with them")
+
+    def mode(self, step: int, quantized: bool) -> str:
+        if not quantized or step < self.start:
+            return "plain"  # the recipe without the split
+        return "record" if step < self.start + self.steps else "split"
+
+    def variables(self, state, mode: str, training: bool) -> dict:
+        if mode != "split":
+            return {}
+        return {"outlier_channels": jax.tree.map(channel_order, state)}
+
+    def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
+        if mode == "record":
+            state = record(ctx.qmodel, {"params": ctx.params, **ctx.variables}, state,
+                           ctx.tokens[:, :-1], ctx.key)
+        return Update(state, params)
+
+
+def record(qmodel, variables: dict, norms: dict, inputs, key) -> dict:
+    """``norms`` plus the input-channel norms of every OutControl GEMM of ``qmodel``'s
+    forward on ``inputs`` (``variables``: its parameters and collections)."""
+    from flax.core import unfreeze
+
+    _, updates = qmodel.apply({**variables, "channel_norms": norms}, inputs,
+                              rngs={"quant": key}, mutable=["channel_norms"])
+    return unfreeze(updates)["channel_norms"]

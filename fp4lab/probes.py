@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4lab.features.protocol import Feature, Run, StepContext, Update
 from fp4lab.hadamard import rht
 from fp4lab.metrics import METRIC_NAMES, operand_metrics
 from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
-__all__ = ["probe_zeros", "probe_table", "measure", "PROBE_SHAPE"]
+__all__ = ["probe_zeros", "probe_table", "measure", "PROBE_SHAPE", "Probes"]
 
 PROBE_SHAPE = (len(OPERANDS), len(METRIC_NAMES))
 
@@ -64,3 +65,48 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
         rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
                                      signs[o.name], amaxes[o.name]))
     return jnp.stack(rows)
+
+
+class Probes(Feature):
+    """The probes in a training run (config section ``probes``: ``every`` steps, ``fused``):
+    the ``"probes"`` collection's zeros (``QuantizedLinen.probe_zeros``) given to the
+    quantized model's forward, and the loss's gradient with respect to them reported, every
+    ``every`` steps and at the last. ``fused``: every step of the quantized model computes
+    them (one compiled program, about 10 % slower per step on CPU); otherwise a second
+    program probes on the probe steps only. Stateless: nothing in the train state."""
+
+    name = "probes"
+    OPTIONS = "probes"
+    observes = True
+
+    def __init__(self, shapes: dict, every: int, fused: bool, last: int):
+        self.shapes, self.every, self.fused, self.last = shapes, every, fused, last
+
+    @classmethod
+    def build(cls, run: Run) -> Probes | None:
+        o = run.options
+        if not o.every:
+            return None
+        zeros = run.qmodel.probe_zeros({"params": run.params}, run.sample)
+        return cls(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), zeros),
+                   o.every, bool(o.fused), run.steps - 1)
+
+    def check(self, per_replica: bool) -> None:
+        if per_replica:
+            raise ValueError("train.grad_reduce computes per-replica gradients; the probes "
+                             "measure the global step: set probes.every=0")
+
+    def reported(self, step: int, quantized: bool) -> bool:
+        """Whether ``step``'s probes are recorded."""
+        return quantized and (step % self.every == 0 or step == self.last)
+
+    def mode(self, step: int, quantized: bool) -> str:
+        return "on" if quantized and (self.fused or self.reported(step, quantized)) else "off"
+
+    def variables(self, state, mode: str, training: bool) -> dict:
+        if mode == "off" or not training:
+            return {}
+        return {"probes": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)}
+
+    def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
+        return Update(state, params, report=ctx.observed.get("probes"))

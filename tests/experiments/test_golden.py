@@ -60,6 +60,8 @@ def first_steps(policy: str, text, steps: int = 2,
     from experiments.model import HybridLM
     from experiments.optimizers import make_optimizer
     from experiments.step import TrainState, make_step, model_config
+    from fp4lab.delayed import AmaxHistories
+    from fp4lab.features.protocol import Run
     from fp4lab.flax import quantize_model
 
     c = load_config("tiny")
@@ -71,14 +73,16 @@ def first_steps(policy: str, text, steps: int = 2,
     params = model.init(jax.random.key(c.seed), sample)["params"]
     qmodel = quantize_model(model, policy)
     tx, sched = make_optimizer(c.train, num_heads=c.model.num_heads)
+    histories = AmaxHistories.build(Run(qmodel, policy, params, sample))  # FP8 delayed
+    features = () if histories is None else (histories,)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
-                       bad_step=jnp.int32(-1),
-                       amax_history=qmodel.history_init({"params": params}, sample) or None)
-    step = make_step(qmodel, tx, sched, c.seed, c.train.mtp_weight, False)
+                       bad_step=jnp.int32(-1), features={f.name: f.init() for f in features})
+    step = make_step(qmodel, tx, sched, c.seed, c.train.mtp_weight, features,
+                     ("on",) * len(features))
     out = []
     for s in range(steps):
         b = text.batch(c.seed, s, d.batch_size, d.seq_len)
-        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights))
         out.append((float(m["loss"]), float(m["grad_norm"])))
     return out
 

@@ -44,8 +44,8 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
     reduce = GradReduce("fp32", (("head/.*", "bf16_tree"),))
     fn = jax.jit(make_grad_fn(qm, 0.0, reduce, mesh, with_local=True))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
-    (loss, _), (grads, _, _), _, local = fn(params, None, None, put(b.tokens), put(b.weights),
-                                         jax.random.key(3))
+    (loss, _), (grads, _), _, local = fn(params, {}, {}, put(b.tokens), put(b.weights),
+                                      jax.random.key(3))
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     local_flat = jax.tree.leaves(local)
     assert len(flat) == len(local_flat)
@@ -74,10 +74,10 @@ def test_unequal_masks_reduce_to_the_global_token_mean_gradient(tiny, text):
     weights = (np.arange(b.weights.shape[1])[None, :]
                < 4 * np.arange(N)[:, None] + 1).astype(np.float32)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
-    args = (params, None, None, put(b.tokens), put(weights), jax.random.key(3))
-    (loss, main), (grads, _, _), _ = jax.jit(make_grad_fn(model, 0.3, GradReduce("fp32"),
-                                                          mesh))(*args)
-    (want_loss, want_main), (want, _, _), _ = jax.jit(make_grad_fn(model, 0.3, None))(*args)
+    args = (params, {}, {}, put(b.tokens), put(weights), jax.random.key(3))
+    (loss, main), (grads, _), _ = jax.jit(make_grad_fn(model, 0.3, GradReduce("fp32"),
+                                                       mesh))(*args)
+    (want_loss, want_main), (want, _), _ = jax.jit(make_grad_fn(model, 0.3, None))(*args)
     np.testing.assert_allclose(float(main), float(want_main), rtol=2e-6)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],

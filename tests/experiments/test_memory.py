@@ -102,10 +102,10 @@ def test_the_estimate_bounds_xlas_memory_analysis_of_the_step(tiny, text):
 
     setup = build(specify(tiny, text))
     step = make_step(setup.qmodel, setup.tx, setup.sched, tiny.seed, tiny.train.mtp_weight,
-                     True, setup.spec.grad_reduce, setup.place.batch.mesh, setup.osci)
+                     setup.features, setup.modes(setup.qmodel, 0), setup.spec.grad_reduce,
+                     setup.place.batch.mesh)
     b = text.batch(tiny.seed, 0, tiny.data.batch_size, tiny.data.seq_len)
-    compiled = step.func.lower(setup.state, *setup.place.put(b), setup.probes,
-                               **step.keywords).compile()
+    compiled = step.func.lower(setup.state, *setup.place.put(b), **step.keywords).compile()
     m = compiled.memory_analysis()
     held = m.temp_size_in_bytes + m.argument_size_in_bytes  # one device's
     estimate = sum(step_bytes(model_config(tiny, text),

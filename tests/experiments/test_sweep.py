@@ -189,8 +189,8 @@ def test_runs_that_differ_only_in_the_seed_compile_one_program(tiny, text):
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1))
     qm = quantize_model(model, "all:nvfp4")
-    steps = [make_step(qm, tx, sched, seed, 0.0, False) for seed in (0, 1)]
-    args = (state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+    steps = [make_step(qm, tx, sched, seed, 0.0) for seed in (0, 1)]
+    args = (state, jnp.asarray(b.tokens), jnp.asarray(b.weights))
     texts = [s.func.lower(*args, **s.keywords).as_text() for s in steps]
     assert texts[0] == texts[1]  # the seed is data, not a constant: one compiled program
     keys = [jax.random.key_data(s.keywords["base_key"]) for s in steps]

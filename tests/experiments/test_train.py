@@ -115,13 +115,12 @@ def test_a_checkpoint_restores_the_state_bit_for_bit(tiny, text, tmp_path, optim
     if policy == "tetrajet_v2":  # OsciReset's accumulators are part of the state
         tiny.train.osci_reset.period, tiny.train.osci_reset.window = 4, 1
     like = build(specify(tiny, text)).state
-    assert (like.osci is not None) == (policy == "tetrajet_v2")
-    # OutControl's summed channel norms are part of the state
-    assert (like.channel_norms is not None) == (policy == "tetrajet_v2_outcontrol")
-    if policy == "fp8_delayed":
-        assert jax.tree.leaves(like.amax_history)  # the histories are part of the state
-    else:
-        assert like.amax_history is None
+    # the features' states (OsciReset's accumulators, OutControl's summed channel norms,
+    # the amax histories) are part of the state; the probes keep none
+    assert set(like.features) == {"tetrajet_v2": {"osci_reset"},
+                                  "tetrajet_v2_outcontrol": {"channel_norms"},
+                                  "fp8_delayed": {"amax_history"}}.get(policy, set())
+    assert all(jax.tree.leaves(v) for v in like.features.values())
     is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
     assert any(is_muon(x) for x in jax.tree.leaves(like.opt_state, is_leaf=is_muon)) == \
         (optimizer == "muon")
@@ -235,10 +234,10 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny, text):
     tx, sched = make_optimizer(tiny.train)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                        bad_step=jnp.int32(-1))
-    step = make_step(quantize_model(model, "nemotron3"), tx, sched, 0, 0.0, False)
+    step = make_step(quantize_model(model, "nemotron3"), tx, sched, 0, 0.0)
     seen = []
     for _ in range(8):
-        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights), None)
+        state, m, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights))
         seen.append(float(m["loss"]))
     assert seen[-1] < seen[0] - 0.5, seen
     assert int(state.step) == 8 and int(state.bad_step) == -1
@@ -448,13 +447,14 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
     import flax.linen as nn
     import jax
 
-    from experiments.step import recorded_channel_norms
     from experiments.run_spec import specify
     from experiments.setup import build
+    from fp4lab.outcontrol import record
 
     tiny.precision.policy = "tetrajet_v2_outcontrol"
     setup = build(specify(tiny, text))
-    norms0 = setup.state.channel_norms
+    norms0 = setup.state.features["channel_norms"]
+    params = {"params": setup.state.params}
     assert all((np.asarray(v) == 0).all() for v in jax.tree.leaves(norms0))
     tokens = setup.spec.data.batch(0, 3, tiny.data.batch_size, tiny.data.seq_len).tokens
     key = jax.random.key(11)
@@ -469,8 +469,8 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(capture):
-        once = recorded_channel_norms(setup.qmodel, setup.state.params, None, norms0, tokens, key)
-    twice = recorded_channel_norms(setup.qmodel, setup.state.params, None, once, tokens, key)
+        once = record(setup.qmodel, params, norms0, tokens[:, :-1], key)
+    twice = record(setup.qmodel, params, once, tokens[:, :-1], key)
     flat = {"/".join(k[:-1]): v for k, v in flax_flat(once).items()}
     assert set(flat) == set(seen) and len(flat) == 7  # every GEMM of the tiny model
     for path, x in seen.items():
@@ -483,9 +483,10 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
     from experiments.step import make_eval
 
     batch = setup.spec.data.val_batches(1, tiny.data.batch_size, tiny.data.seq_len)[0]
-    plain, split = (float(make_eval(setup.qmodel, 0, s)(setup.state.params, None, once,
-                                                         batch.tokens, batch.weights))
-                    for s in (False, True))
+    outcontrol = setup.feature("channel_norms")
+    plain, split = (float(make_eval(setup.qmodel, 0)(
+        setup.state.params, outcontrol.variables(once, mode, False), batch.tokens,
+        batch.weights)) for mode in ("record", "split"))
     assert plain != split
 
 
@@ -499,7 +500,7 @@ def test_outcontrol_that_would_never_split_is_refused(tiny, text):
     with pytest.raises(ValueError, match="chosen after step 14.*would never split"):
         build(specify(tiny, text))
     tiny.train.outcontrol.steps = 4
-    assert build(specify(tiny, text)).outcontrol.phase(14) == "split"
+    assert build(specify(tiny, text)).feature("channel_norms").mode(14, True) == "split"
 
 
 def flax_flat(tree):
@@ -531,7 +532,7 @@ def test_outcontrol_trains_plain_records_then_splits(tiny, text, tmp_path):
     assert all(a != b for a, b in zip(base[3:], split[3:], strict=True))
     like = build(specify(tiny, text)).state
     state = Checkpoints((tmp_path / "split").resolve()).restore(like)
-    leaves = [np.asarray(v) for v in jax.tree.leaves(state.channel_norms)]
+    leaves = [np.asarray(v) for v in jax.tree.leaves(state.features["channel_norms"])]
     assert len(leaves) == 3 and all((v > 0).all() and np.isfinite(v).all() for v in leaves)
 
 
@@ -540,9 +541,9 @@ def test_outcontrol_beside_delayed_scaling(tiny, text, tmp_path):
     the channel norms and the record pass both get the amax histories."""
     import jax
 
-    from experiments.step import recorded_channel_norms
     from experiments.run_spec import specify
     from experiments.setup import build
+    from fp4lab.outcontrol import record
     from fp4lab.policy import PrecisionPolicy, Rule, save_policy
 
     policy = tmp_path / "policy.json"
@@ -550,9 +551,11 @@ def test_outcontrol_beside_delayed_scaling(tiny, text, tmp_path):
                                 default="tetrajet_v2_outcontrol"), policy)
     tiny.precision.policy = f"file:{policy}"
     setup = build(specify(tiny, text))
-    assert setup.state.amax_history and "mlp" not in str(jax.tree.structure(
-        setup.state.channel_norms))
+    state = setup.state.features
+    assert state["amax_history"] and "mlp" not in str(jax.tree.structure(
+        state["channel_norms"]))
     tokens = setup.spec.data.batch(0, 0, tiny.data.batch_size, tiny.data.seq_len).tokens
-    norms = recorded_channel_norms(setup.qmodel, setup.state.params, setup.state.amax_history,
-                      setup.state.channel_norms, tokens, jax.random.key(0))
+    norms = record(setup.qmodel, {"params": setup.state.params,
+                                  "amax_history": state["amax_history"]},
+                   state["channel_norms"], tokens[:, :-1], jax.random.key(0))
     assert all((np.asarray(v) > 0).all() for v in jax.tree.leaves(norms))
