@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import fp4lab
-from fp4lab.hadamard import rht
+from fp4lab.numerics.hadamard import rht
 from pallas_kernels import quantize as kq
 from pallas_kernels import rht as kr
 

@@ -3,8 +3,8 @@ MaxText's qwix quantization.
 
 Each variant is one run of MaxText's trainer (``maxtext.trainers.pre_train.train``) in a fresh
 process: ``maxtext`` is MaxText unquantized (the baseline), ``fp4lab:<policy>`` runs it through
-``python -m fp4lab.maxtext ... fp4lab.policy=<policy>``, ``qwix:<mode>`` is MaxText's own
-``quantization=<mode> use_qwix_quantization=True`` (qwix fake quantization of its NNX model's
+``python -m fp4lab.integrations.maxtext ... fp4lab.policy=<policy>``, ``qwix:<mode>`` is MaxText's
+own ``quantization=<mode> use_qwix_quantization=True`` (qwix fake quantization of its NNX model's
 decoder layers). The step time is MaxText's ``perf/step_time_seconds`` (wall time between
 consecutive steps, read from its ``metrics_file``), the first ``--warmup`` steps of every run
 dropped (compilation, warm-up).
@@ -67,7 +67,7 @@ def variant_argv(variant: str, base_yml: str) -> list[str]:
     if kind == BASELINE and not value:
         return ["-m", TRAINER, base_yml]
     if kind == "fp4lab" and value:
-        return ["-m", "fp4lab.maxtext", "base.yml", f"fp4lab.policy={value}"]
+        return ["-m", "fp4lab.integrations.maxtext", "base.yml", f"fp4lab.policy={value}"]
     if kind == "qwix" and value:
         return ["-m", TRAINER, base_yml, f"quantization={value}", "use_qwix_quantization=True"]
     raise ValueError(f"variant {variant!r}: give {BASELINE}, fp4lab:<policy> or qwix:<mode>")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import fp4lab
-from fp4lab.formats import FORMATS
+from fp4lab.numerics.formats import FORMATS
 
 
 def peers(x):

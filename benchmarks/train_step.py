@@ -26,8 +26,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from fp4lab.qdot import qdot_general
-from fp4lab.recipe import RECIPES, get_recipe
+from fp4lab.gemm.qdot import qdot_general
+from fp4lab.gemm.recipe import RECIPES, get_recipe
 
 DN = (((1,), (0,)), ((), ()))
 DEFAULT = "bf16,fp32,fp8_hybrid,fp8_blockwise,mxfp8,mxfp4,nvfp4,nvfp4_no_rht,nvfp4_no_sr,fp4_qat"

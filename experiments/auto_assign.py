@@ -30,8 +30,8 @@ from experiments.cli import command
 from experiments.probes import layer_order
 from experiments.train import train
 from fp4lab.policy import PrecisionPolicy, Rule, explain, save_policy
-from fp4lab.recipe import OPERANDS
-from fp4lab.recipe import get_recipe
+from fp4lab.gemm.recipe import OPERANDS
+from fp4lab.gemm.recipe import get_recipe
 
 __all__ = ["layer_passes", "recommend", "assign_from_summaries", "main"]
 

@@ -77,7 +77,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4lab.qarray import QArray
+from fp4lab.numerics.qarray import QArray
 
 __all__ = ["ARCH", "check_nemotron_h", "split_columns", "nemotron_h_tensors",
            "nemotron_h_metadata", "tokenizer_metadata", "notes"]

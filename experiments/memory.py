@@ -44,7 +44,7 @@ import jax
 __all__ = ["step_bytes", "available_bytes", "check_memory", "format_bytes"]
 
 F32 = 4
-FLASH_BLOCK_K = 64  # fp4lab.attention's key block
+FLASH_BLOCK_K = 64  # fp4lab.beyond.attention's key block
 
 
 def param_count(cfg) -> int:

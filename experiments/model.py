@@ -25,7 +25,7 @@ Compute runs in ``dtype`` (BF16 by default) on FP32 parameters (the master weigh
 scan, norms, softmax and loss run in FP32.
 
 Precision decisions beyond the GEMMs, all off by default (docs/beyond_the_gemms.md):
-``attention="flash"`` (``fp4lab.attention`` with ``attention_accumulate`` and
+``attention="flash"`` (``fp4lab.beyond.attention`` with ``attention_accumulate`` and
 ``attention_saved``: a dtype, or a block format in which the out projection stores its
 input, DeepSeek-V3's one E5M6 copy), ``ssm_state_format`` / ``ssm_state_rounding`` (the
 Mamba-2 recurrence one step at a time with its state stored in a format),
@@ -68,10 +68,10 @@ def residual_probes(model, params, tokens_BxL, **apply_kw) -> dict[str, dict[str
     ``saturation`` (the share of elements clipped to E4M3's 448: beyond 464, half an ulp
     above it, after the per-token scale for ``e4m3_token``, where it is 0 by construction),
     ``underflow`` (nonzero values stored as 0), the
-    relative MSE and SQNR (``fp4lab.metrics.error_metrics``), and the stream's abs-max.
+    relative MSE and SQNR (``fp4lab.numerics.metrics.error_metrics``), and the stream's abs-max.
     ``model``: a :class:`HybridLM` or one under a policy (``fp4lab.flax.quantize_model``;
     ``apply_kw`` then holds its ``rngs``)."""
-    from fp4lab.metrics import error_metrics
+    from fp4lab.numerics.metrics import error_metrics
 
     fmt = getattr(model, "model", model).cfg.residual_format
     if not fmt:
@@ -98,9 +98,9 @@ def store_residual(x_BxLxD, fmt: str):
     stays NaN), ``e4m3_token`` scales each token by its abs-max first (fp4lab's
     ``fp8_e4m3_row``)."""
     from fp4lab import fake_quant
-    from fp4lab.formats import E4M3
-    from fp4lab.quantize import straight_through
-    from fp4lab.rounding import round_nearest
+    from fp4lab.numerics.formats import E4M3
+    from fp4lab.numerics.quantize import straight_through
+    from fp4lab.numerics.rounding import round_nearest
 
     if not fmt:
         return x_BxLxD
@@ -126,13 +126,13 @@ class ModelConfig:
     mtp_tied_head: bool = False
     dtype: str = "bfloat16"
     # attention's softmax and P.V: "einsum" (FP32, as written here) or "flash"
-    # (fp4lab.attention.flash_attention: key blocks of 64, the P.V rounding points
+    # (fp4lab.beyond.attention.flash_attention: key blocks of 64, the P.V rounding points
     # attention_accumulate, the output saved for the backward pass in attention_saved)
     attention: str = "einsum"
     attention_accumulate: str = "fp32"  # fp32 | bf16_p | bf16 (flash only)
     # the output as the backward pass sees it (flash only): a dtype it is saved in, or a
     # block format (e5m6_block128_pow2: DeepSeek-V3), the out projection's input as that
-    # GEMM stores it (its recipe's saved_x; fp4lab.attention), with no copy of its own
+    # GEMM stores it (its recipe's saved_x; fp4lab.beyond.attention), with no copy of its own
     attention_saved: str = "float32"
     # the Mamba-2 state: "" (the parallel scan, FP32), or a recurrent scan storing the state
     # after every step in ssm_state_format (fp32, bf16, fp16, int8_block128, fp8_block128)
@@ -145,7 +145,7 @@ class ModelConfig:
     residual_format: str = ""
     residual_gate: bool = False
     # the MLP's squared ReLU kept for the backward pass as its input in this format and
-    # recomputed from it (fp4lab.saved.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
+    # recomputed from it (fp4lab.gemm.saved.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
     mlp_saved: str = ""
 
     def __post_init__(self):
@@ -168,7 +168,7 @@ class ModelConfig:
                                  "(float32, bfloat16) or a block format "
                                  "(e5m6_block128_pow2)") from None
         if self.mlp_saved:
-            from fp4lab.formats import get_format
+            from fp4lab.numerics.formats import get_format
 
             get_format(self.mlp_saved)  # raises, naming the format and the known ones
         if self.attention not in ("einsum", "flash"):
@@ -291,7 +291,7 @@ class Mamba2(nn.Module):
 
 def _attention_saved(name: str):
     """``model.attention_saved`` as a block format (None for a dtype name)."""
-    from fp4lab.formats import FORMATS
+    from fp4lab.numerics.formats import FORMATS
 
     fmt = FORMATS.get(name)
     return None if fmt is None or fmt.is_passthrough else fmt
@@ -310,7 +310,7 @@ class Attention(nn.Module):
         q_BxLxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxLx3xHxK[:, :, i].astype(jnp.float32)
                                            for i in range(3))
         if cfg.attention == "flash":
-            from fp4lab.attention import flash_attention
+            from fp4lab.beyond.attention import flash_attention
 
             heads = [x.transpose(0, 2, 1, 3) for x in (q_BxLxHxK, k_BxTxHxK, v_BxTxHxK)]
             saved = _attention_saved(cfg.attention_saved)
@@ -344,7 +344,7 @@ class MLP(nn.Module):
         h_BxLxF = _dense(cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
         act = _relu2
         if cfg.mlp_saved:
-            from fp4lab.saved import recompute
+            from fp4lab.gemm.saved import recompute
 
             act = recompute(_relu2, cfg.mlp_saved)
         return _dense(x_BxLxD.shape[-1], "down", dtype)(act(h_BxLxF))

@@ -32,7 +32,7 @@ import json
 
 from fp4lab.policy import (Depth, PrecisionPolicy, Rule, get_policy, nemotron3,
                            policy_to_dict, register_policy, register_policy_family)
-from fp4lab.recipe import RECIPES
+from fp4lab.gemm.recipe import RECIPES
 
 __all__ = ["get_policy", "get", "NAMED", "BF16_ENDS", "fingerprint", "without_outcontrol"]
 

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from fp4lab.probes import probe_table
+from fp4lab.features.probes import probe_table
 
 __all__ = ["probe_records", "summarize_probes", "underflow_by_kind", "layer_kind",
            "layer_order", "KIND_ORDER"]

@@ -16,7 +16,7 @@ BF16 runs train); a rollout model quantizes the GEMMs of one layer group in one 
 * groups: ``all``, ``linear`` (the Mamba and MLP projections), ``attention`` (qkv and out),
   ``head`` (the output projection).
 
-Two modes, each giving :func:`fp4lab.mismatch.mismatch_metrics` per rollout model:
+Two modes, each giving :func:`fp4lab.beyond.mismatch.mismatch_metrics` per rollout model:
 
 * ``teacher``: the validation batches' own tokens scored by both models (the rollout
   "sampled" the data);
@@ -47,7 +47,7 @@ from experiments.runs import analysis_parser, load_run, validation_tokens
 from experiments.stats import mean_interval
 from experiments.tables import interval_cell, markdown_table, number_cell
 from fp4lab.flax import quantize_model
-from fp4lab.mismatch import mismatch_metrics
+from fp4lab.beyond.mismatch import mismatch_metrics
 from fp4lab.policy import PrecisionPolicy, Rule
 
 __all__ = ["GROUPS", "PRECISIONS", "rollout_policy", "token_log_probs", "sample_tokens",

@@ -92,7 +92,7 @@ def check_config(config):
     """Refuse a config no run can train, before anything is loaded or compiled: a count or
     size out of range (``data.batch_size=0`` would train on nothing and report a loss of 0),
     a number outside its interval, an unknown backend, optimizer or reduction."""
-    from fp4lab.backend import BACKENDS
+    from fp4lab.numerics.backend import BACKENDS
 
     for key, v in _values(config, _LEAST):
         if isinstance(v, bool) or not isinstance(v, int) or v < _LEAST[key]:
@@ -137,7 +137,7 @@ def check_data(config, data: TextData, n_devices: int):
 
 def grad_reduce(config) -> GradReduce | None:
     """``train.grad_reduce``: ``"xla"`` (XLA's all-reduce of the global gradient) or a mode
-    of ``fp4lab.reduction`` with per-parameter ``train.grad_reduce_rules``."""
+    of ``fp4lab.beyond.reduction`` with per-parameter ``train.grad_reduce_rules``."""
     t = config.train
     mode, survival = t.grad_reduce, bool(t.grad_survival)
     if mode == "xla":

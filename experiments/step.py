@@ -110,17 +110,17 @@ def make_loss(qmodel, mtp_weight: float):
 @dataclasses.dataclass(frozen=True)
 class GradReduce:
     """``train.grad_reduce``: the data-parallel gradient reduction spelled out per replica
-    (``fp4lab.reduction``): ``mode`` for every parameter, or the mode of the first
+    (``fp4lab.beyond.reduction``): ``mode`` for every parameter, or the mode of the first
     ``(regex, mode)`` rule whose regex fullmatches the parameter's path (``head/kernel``)."""
 
     mode: str
     rules: tuple[tuple[str, str], ...] = ()
     # measure, per step, how much of the MTP loss's gradient to the (tied) output layer
-    # survives the reduction (fp4lab.reduction.surviving_fraction; model.mtp_tied_head)
+    # survives the reduction (fp4lab.beyond.reduction.surviving_fraction; model.mtp_tied_head)
     survival: bool = False
 
     def __post_init__(self):
-        from fp4lab.reduction import check_mode
+        from fp4lab.beyond.reduction import check_mode
 
         check_mode(self.mode)
         for rule in self.rules:
@@ -162,7 +162,7 @@ def _per_replica_grad_fn(loss_fn, grad_fn, reduce: GradReduce, mesh, combine, wi
     gradients reduced with ``reduce``'s modes."""
     from jax.sharding import PartitionSpec as P
 
-    from fp4lab.reduction import all_reduce
+    from fp4lab.beyond.reduction import all_reduce
 
     def local(params, observed, fixed, tokens, weights, key):
         i = jax.lax.axis_index("data")
@@ -193,7 +193,7 @@ def _mtp_grad_survival(loss_fn, reduce: GradReduce, params, variables, tokens, w
     """Inside a replica: the head kernel's gradient parts from the main and the MTP loss,
     gathered over the ``data`` axis, and the share of the MTP part that survives their
     reduction in the head's mode (``mtp_grad_survival``, ``mtp_grad_error``)."""
-    from fp4lab.reduction import surviving_fraction
+    from fp4lab.beyond.reduction import surviving_fraction
 
     def parts(head):
         p = {**params, "head": {**params["head"], "kernel": head}}

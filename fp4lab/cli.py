@@ -48,7 +48,7 @@ def _fmt_num(v: float) -> str:
 
 def format_rows() -> list[dict[str, str]]:
     """One row per registered format, for ``fp4lab formats``."""
-    from fp4lab.formats import FORMATS
+    from fp4lab.numerics.formats import FORMATS
 
     rows = []
     for f in FORMATS.values():
@@ -205,8 +205,8 @@ def compare(tensors: dict[str, np.ndarray], formats: list[str]) -> list[dict]:
     (tensor, format)."""
     import jax.numpy as jnp
 
-    from fp4lab.formats import get_format
-    from fp4lab.metrics import quant_metrics
+    from fp4lab.numerics.formats import get_format
+    from fp4lab.numerics.metrics import quant_metrics
 
     out = []
     for tname, x in tensors.items():
@@ -269,7 +269,7 @@ def _cmd_formats(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from fp4lab.formats import FORMATS, get_format
+    from fp4lab.numerics.formats import FORMATS, get_format
 
     formats = ([get_format(f).name for f in args.formats.split(",")] if args.formats
                else [n for n, f in FORMATS.items() if n not in ("fp32", "fp16")])

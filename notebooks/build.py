@@ -18,13 +18,13 @@ HERE = Path(__file__).parent
 FORMATS = [
     ("md", """# 1. Number formats: grids, scales, and what they do to a tensor
 
-fp4lab's formats are data (`fp4lab.formats`). This notebook draws the element grids, shows how
-NVFP4's two-level scaling and MX's power-of-two scales cover dynamic range, and measures every
+fp4lab's formats are data (`fp4lab.numerics.formats`). This notebook draws the element grids, shows
+how NVFP4's two-level scaling and MX's power-of-two scales cover dynamic range, and measures every
 format's error and underflow on several distributions."""),
     ("code", """import jax, jax.numpy as jnp, numpy as np
 import matplotlib.pyplot as plt
 import fp4lab
-from fp4lab.formats import FORMATS, E2M1, E4M3, E5M2
+from fp4lab.numerics.formats import FORMATS, E2M1, E4M3, E5M2
 from fp4lab.cli import DISTRIBUTIONS
 
 print(fp4lab.__version__)"""),
@@ -32,7 +32,7 @@ print(fp4lab.__version__)"""),
 Every representable non-negative value of E2M1 (FP4), E4M3 and E5M2 (FP8), from the formats'
 own code tables, on a log axis. E2M1 has 8 magnitudes; E4M3 trades range for precision
 against E5M2. E8M0 (the MX scale) is every power of two from 2^-127 to 2^127."""),
-    ("code", """from fp4lab.rounding import decode
+    ("code", """from fp4lab.numerics.rounding import decode
 
 def grid(el):
     codes = jnp.arange(2 ** (el.bits - 1), dtype=jnp.uint8)  # the non-negative codes
@@ -218,7 +218,7 @@ import matplotlib.pyplot as plt
 from experiments.configs import load_config
 from experiments.sweep import run_sweep, results_table, layer_order
 from experiments.auto_assign import assign_from_summaries
-from fp4lab.recipe import OPERANDS
+from fp4lab.gemm.recipe import OPERANDS
 from fp4lab.policy import explain
 
 def read_results(folder):

@@ -17,9 +17,9 @@ each kernel for an abstract H200 so that a kernel that stops lowering fails with
 
 
 def register() -> None:
-    """Register these kernels in fp4lab's kernel table (:mod:`fp4lab.backend`). fp4lab calls
-    it through the ``fp4lab.kernels`` entry point; calling it again changes nothing."""
-    from fp4lab import backend
+    """Register these kernels in fp4lab's kernel table (:mod:`fp4lab.numerics.backend`). fp4lab
+    calls it through the ``fp4lab.kernels`` entry point; calling it again changes nothing."""
+    from fp4lab.numerics import backend
     from pallas_kernels import quantize, rht
 
     for kernel in (*quantize.KERNELS, rht.KERNEL):

@@ -2,10 +2,10 @@
 
 Every function here is written with operations the Pallas Triton lowering supports (integer
 bit manipulation, comparisons, selects, ``tt.reshape``/``tt.split``) and computes exactly
-what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
+what the fp4lab reference computes (``fp4lab.numerics.rounding`` / ``fp4lab.numerics.scaling``):
 
 * :func:`abs_max_bits`: a block's ``max |x|`` on the float32 bit patterns (exact, and a NaN
-  wins, as in ``fp4lab.rounding.abs_max``);
+  wins, as in ``fp4lab.numerics.rounding.abs_max``);
 * :func:`div`: correctly rounded float32 division. Triton's ``/`` is approximate on NVIDIA
   GPUs (``div.full``: wrong E2M1 codes on 2.5e-4 of elements on an H200, docs/numerics.md), so on
   the GPU it is the PTX ``div.rn.f32`` instruction; in interpret mode (CPU) XLA's division is
@@ -19,7 +19,7 @@ what the fp4lab reference computes (``fp4lab.rounding`` / ``fp4lab.scaling``):
   inside Triton kernels, docs/kernels.md): unbiased and deterministic per seed, with other bits
   than ``jax.random``'s;
 * :func:`nvfp4_scales`: NVFP4's E4M3 block scales and element multipliers from the block and
-  tensor amaxes, in ``fp4lab.scaling.NVFP4Scale``'s order of operations.
+  tensor amaxes, in ``fp4lab.numerics.scaling.NVFP4Scale``'s order of operations.
 
 The wrappers' host-side pieces (outside the kernel bodies) are here too: :func:`check_input`,
 :func:`interpret_mode`, :func:`tile_size`, :func:`padded_matrix` and
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4lab.rounding import from_bits, pow2
+from fp4lab.numerics.rounding import from_bits, pow2
 
 __all__ = ["bits", "from_bits", "abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code",
            "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1",
@@ -142,7 +142,7 @@ def hash_uniform(index, seed):
 
 
 def stochastic_e2m1(v, u):
-    """fp4lab.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac), the
+    """fp4lab.numerics.rounding.round_stochastic onto E2M1 (clip to 6, floor + Bernoulli(frac), the
     sign of ``v`` copied, -0 included)."""
     a = minimum(abs_bits(v), 6.0)
     e = jnp.maximum(((bits(a) >> 23) & 0xFF) - 127, 0)
@@ -164,7 +164,7 @@ def element_index(shape, row0, col0, row_stride):
 def nvfp4_scales(bamax, amax, *, interpret: bool):
     """NVFP4's block scale (float8_e4m3fn) and element multiplier (float32) of blocks whose
     ``max |x|`` is ``bamax``, in a tensor whose amax is ``amax`` (broadcast to ``bamax``'s
-    shape), with fp4lab.scaling.NVFP4Scale's operations in its order."""
+    shape), with fp4lab.numerics.scaling.NVFP4Scale's operations in its order."""
     s_enc = minimum(div(jnp.full_like(amax, 2688.0), amax, interpret=interpret), FLT_MAX)
     s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
     s_dec = div(jnp.ones_like(s_enc), s_enc, interpret=interpret)

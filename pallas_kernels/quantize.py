@@ -4,9 +4,9 @@ E5M2; rceil and floor scales) and MXFP4, along the last axis; and dequantization
 Each kernel reads a ``(block_rows, block_cols)`` tile of the input once and writes the codes
 (E2M1 packed two per byte, or FP8) and the block scales of that tile: one pass over the data
 instead of XLA's several. The reference each kernel must equal bit for bit is
-:func:`fp4lab.quantize` (``fp4lab/scaling/`` for the scales, ``fp4lab/rounding.py`` for the
-elements); ``tests/pallas_kernels/test_quantize_kernels.py`` checks that in interpret mode
-(CPU, CI) and on the GPU when there is one.
+:func:`fp4lab.quantize` (``fp4lab/numerics/scaling/`` for the scales,
+``fp4lab/numerics/rounding.py`` for the elements); ``tests/pallas_kernels/test_quantize_kernels.py``
+checks that in interpret mode (CPU, CI) and on the GPU when there is one.
 
 The wrappers take any shape: leading axes are flattened into rows and both axes are padded
 with zeros to the tile, whose sizes are powers of two as Triton arrays must be (zeros change
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4lab.backend import Kernel, Request, refusal
-from fp4lab.formats import E2M1, E4M3, E5M2, Format, get_format
-from fp4lab.qarray import QArray
-from fp4lab.quantize import check_amax_covers
-from fp4lab.rounding import abs_max
-from fp4lab.scaling import NVFP4Scale, PowerOfTwoScale
+from fp4lab.numerics.backend import Kernel, Request, refusal
+from fp4lab.numerics.formats import E2M1, E4M3, E5M2, Format, get_format
+from fp4lab.numerics.qarray import QArray
+from fp4lab.numerics.quantize import check_amax_covers
+from fp4lab.numerics.rounding import abs_max
+from fp4lab.numerics.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (abs_bits, abs_max_bits, bits, check_input, compiler_params,
                                    e2m1_code, e2m1_value, element_index, from_bits, hash_uniform,
                                    interpret_mode, minimum, nvfp4_scales, pack_pairs,
@@ -74,7 +74,7 @@ SR_CONFIG = KernelConfig(block_rows=16)
 
 def supports(fmt: Format, axis: int, tile, rounding: str = "nearest") -> str | None:
     """``None`` when a quantize kernel of this module serves this request, else why not (the
-    refusals of :data:`KERNELS`, as ``fp4lab.backend`` reports them)."""
+    refusals of :data:`KERNELS`, as ``fp4lab.numerics.backend`` reports them)."""
     r = Request(op="quantize", format=fmt, shape=(1,), axis=axis, tile=tile, rounding=rounding)
     return _refusal(r)
 
@@ -162,7 +162,7 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
 
 def _dequantize_kernel(amax_ref, q_ref, s_ref, y_ref, *, fmt: Format, interpret):
     """Codes and block scales of a 1D-blocked tile -> values in ``y_ref``'s dtype, with the
-    reference's multipliers in its order (fp4lab.scaling ``decode``)."""
+    reference's multipliers in its order (fp4lab.numerics.scaling ``decode``)."""
     del interpret
     el, block = fmt.element, fmt.block
     if el.packed:
@@ -373,7 +373,8 @@ def dequantize(q: QArray, dtype=jnp.bfloat16, *, interpret: bool | None = None,
                           interpret=interpret_mode(interpret))
 
 
-# The requests these kernels serve, as data (fp4lab.backend's table; pallas_kernels.register)
+# The requests these kernels serve, as data (fp4lab.numerics.backend's table;
+# pallas_kernels.register)
 KERNELS = (
     Kernel(name="NVFP4 1D quantize", op="quantize", scheme=NVFP4Scale, elements=(E2M1,),
            blocks=(16, 32), roundings=("nearest", "stochastic"), fn=quantize),

@@ -5,18 +5,17 @@ For ``dW = X^T dY`` the NVFP4 recipe quantizes X and dY along the token axis M a
 16-point RHT along M. Given ``x`` of shape ``(M, K)`` (tokens first, as activations and
 gradients are stored), :func:`rht_quantize_nvfp4` returns the QArray of
 ``rht(x, axis=0).T`` (shape ``(K, M16)``, ``M16 = ceil(M/16)*16``) quantized to NVFP4 along its
-last axis: the same layout as ``fp4lab.quantize(fp4lab.hadamard.rht(x, 0).T, "nvfp4", ...)``,
-the reference it follows. Two passes, as Transformer Engine does: one kernel computes the
-per-tile amax of the transformed tensor (its maximum is NVFP4's global amax), the second
-transforms again, quantizes and writes codes and scales.
+last axis: the same layout as ``fp4lab.quantize(fp4lab.numerics.hadamard.rht(x, 0).T, "nvfp4",
+...)``, the reference it follows. Two passes, as Transformer Engine does: one kernel computes the
+per-tile amax of the transformed tensor (its maximum is NVFP4's global amax), the second transforms
+again, quantizes and writes codes and scales.
 
 Exactness. The kernel computes the transform exactly as the reference does
-(``fp4lab.hadamard``: signs, four float32 butterfly stages of additions, one scaling by 1/4,
-rounding to the input dtype), on the 16 strided rows ``i, i + 16, ...`` of its tile, so
-with ``rounding="nearest"`` its codes and scales equal the reference's bit for bit on every
-input, infinities and NaN included. There is no matrix product and no multiply-add to contract:
-the transform costs four additions per element instead of a (16-wide, mostly zero)
-block-diagonal GEMM.
+(``fp4lab.numerics.hadamard``: signs, four float32 butterfly stages of additions, one scaling by
+1/4, rounding to the input dtype), on the 16 strided rows ``i, i + 16, ...`` of its tile, so with
+``rounding="nearest"`` its codes and scales equal the reference's bit for bit on every input,
+infinities and NaN included. There is no matrix product and no multiply-add to contract: the
+transform costs four additions per element instead of a (16-wide, mostly zero) block-diagonal GEMM.
 
 With ``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based
 hash of the element's position in the padded output and a 32-bit seed drawn from the jax key
@@ -42,13 +41,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fp4lab.backend import Kernel, Request, refusal
-from fp4lab.formats import E2M1, Format, get_format
-from fp4lab.hadamard import rht, rht_signs_and_scale
-from fp4lab.qarray import QArray
-from fp4lab.quantize import check_amax_covers
-from fp4lab.scaling import NVFP4Scale
-from fp4lab.rounding import abs_max
+from fp4lab.numerics.backend import Kernel, Request, refusal
+from fp4lab.numerics.formats import E2M1, Format, get_format
+from fp4lab.numerics.hadamard import rht, rht_signs_and_scale
+from fp4lab.numerics.qarray import QArray
+from fp4lab.numerics.quantize import check_amax_covers
+from fp4lab.numerics.scaling import NVFP4Scale
+from fp4lab.numerics.rounding import abs_max
 from pallas_kernels.common import (abs_max_bits, bits, check_input, compiler_params, e2m1_code,
                                    from_bits, hash_uniform, interpret_mode, nvfp4_scales,
                                    padded_matrix, stochastic_e2m1, tile_size)
@@ -60,7 +59,7 @@ __all__ = ["rht_quantize_nvfp4"]
 def _transform(x_ref, signs, dtype):
     """The RHT of every 16-token group of the ``(TM, TK)`` tile, as 16 ``(TM/16, TK)``
     float32 arrays (output ``j`` of each group), rounded to the input dtype as the reference
-    does: ``fp4lab.hadamard.rht``'s arithmetic, operation for operation."""
+    does: ``fp4lab.numerics.hadamard.rht``'s arithmetic, operation for operation."""
     groups = x_ref.shape[0] // 16
     u = [x_ref[pl.ds(i, groups, stride=16), :].astype(jnp.float32) * s_i
          for i, s_i in enumerate(signs)]
@@ -181,7 +180,7 @@ def _kernel_fn(x, fmt, key, *, rounding, signs):
     return rht_quantize_nvfp4(x, key, rounding=rounding, signs=signs, fmt=fmt)
 
 
-# the request this kernel serves, as data (fp4lab.backend's table; pallas_kernels.register)
+# the request this kernel serves, as data (fp4lab.numerics.backend's table; pallas_kernels.register)
 KERNEL = Kernel(name="NVFP4 RHT + quantize", op="rht_quantize", scheme=NVFP4Scale,
                 elements=(E2M1,), blocks=(16,), roundings=("nearest", "stochastic"), axes=(-2,),
                 transforms=(16,), ndims=(2,), fn=_kernel_fn)

@@ -1,4 +1,4 @@
-"""NumPy oracles for the published FP4 quantizers fp4lab reproduces (fp4lab/scaling/published.py), ported from the oracles of docs/recipes/*.md (section "NumPy oracle"):
+"""NumPy oracles for the published FP4 quantizers fp4lab reproduces (fp4lab/numerics/scaling/published.py), ported from the oracles of docs/recipes/*.md (section "NumPy oracle"):
 
 * Quartet, IST-DASLab/Quartet @ 00ccd38e544ac5fd56b7837844a427114b884ef8,
   ``src/models/quantization/quantizers/mxfp4_triton.py`` (``mxfp4_forward_kernel``): the QuEST
@@ -30,7 +30,7 @@ Conventions (fp4lab's canonical choices where the authors' kernels leave them to
   or for MS-EDEN one per 16-block): Quartet's Tseng SR takes ``hi`` when ``u < p``;
   TetraJet-v2's dither uses ``r = u - 0.5``; FP4 All the Way's SR uses ``n = u - 0.5``.
 * Where fp4lab deliberately departs from the authors (stated in the class docstrings of
-  fp4lab/scaling/published.py), the oracle follows fp4lab by default and reproduces the authors with a
+  fp4lab/numerics/scaling/published.py), the oracle follows fp4lab by default and reproduces the authors with a
   keyword: :func:`double_block` ``nan_propagates`` (the kernel's ``fmaxf`` drops NaN from the
   maxima), :func:`atw_nvfp4` ``saturate`` (the authors' rounding can give 8) and
   ``guard_zero_tensor`` (the authors' all-zero tensor is NaN).

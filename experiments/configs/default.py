@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
         pattern="M-M*M-",  # Nemotron-H letters: M Mamba-2, * attention, - MLP
         d_model=64, vocab=256, num_heads=4, mlp_mult=4, ssm_expand=2, ssm_head_dim=16,
         ssm_state=16, conv_width=4, mtp=False, mtp_tied_head=False, dtype="bfloat16",
-        # "einsum", or "flash" (fp4lab.attention) with its P.V rounding and saved output
+        # "einsum", or "flash" (fp4lab.beyond.attention) with its P.V rounding and saved output
         attention="einsum", attention_accumulate="fp32", attention_saved="float32",
         # the Mamba-2 state: "" (parallel scan) or a stored format (experiments/model.py)
         ssm_state_format="", ssm_state_rounding="nearest",
@@ -44,16 +44,16 @@ def get_config() -> ml_collections.ConfigDict:
         log_every=10, eval_every=0, ckpt_every=50,
         bf16_last_fraction=0.0,  # the late precision switch: last fraction of steps in BF16
         optimizer="adamw",  # or "muon" (experiments/optimizers.py)
-        # TetraJet-v2's OsciReset (fp4lab.osci_reset) on the kernels whose forward weight is
-        # in osci_reset.format; period 0 = off (the authors: 200, 50, 8, from step 8000)
+        # TetraJet-v2's OsciReset (fp4lab.features.osci_reset) on the kernels whose forward weight
+        # is in osci_reset.format; period 0 = off (the authors: 200, 50, 8, from step 8000)
         osci_reset=ml_collections.ConfigDict(dict(
             period=0, window=50, threshold=8.0, start=0, format="nvfp4_double")),
-        # TetraJet-v2's OutControl (fp4lab.outcontrol), for layers whose recipe has it
+        # TetraJet-v2's OutControl (fp4lab.features.outcontrol), for layers whose recipe has it
         # (tetrajet_v2_outcontrol): input-channel norms summed over steps [start, start +
         # steps), the split from then on (the authors: 501 and 50 of 12505 steps)
         outcontrol=ml_collections.ConfigDict(dict(start=5, steps=5)),
         # "xla", or fp32 | bf16_wire | bf16_ring | bf16_tree spelled out per replica, with
-        # per-parameter rules ((regex, mode), ...) (fp4lab.reduction)
+        # per-parameter rules ((regex, mode), ...) (fp4lab.beyond.reduction)
         grad_reduce="xla", grad_reduce_rules=(),
         grad_survival=False,  # log how much of the MTP gradient survives (mtp_tied_head)
         # Muon's own settings (experiments/optimizers.py; ns_coeffs: a preset name or
@@ -62,7 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
             ns_steps=5, ns_coeffs="standard", beta=0.95, nesterov=True, consistent_rms=0.2,
             mu_dtype=None, split_qkv_heads=True, adam_lr_ratio=1.0), type_safe=False)))
 
-    # backend: "auto" (Pallas kernels on a GPU), "xla" or "pallas" (fp4lab.backend)
+    # backend: "auto" (Pallas kernels on a GPU), "xla" or "pallas" (fp4lab.numerics.backend)
     c.precision = ml_collections.ConfigDict(dict(policy="nemotron3", backend="auto"))
     c.probes = ml_collections.ConfigDict(dict(every=25, fused=True))
     return c

@@ -217,7 +217,7 @@ def quantized_operands(layers: Mapping[str, str]):
     """``(layer, operand) -> bool``: whether the recipe ``layers`` (a result's layer path ->
     recipe name) gives that layer quantizes the operand (a pass-through BF16 cast is not
     quantization: its cell is grey)."""
-    from fp4lab.recipe import get_recipe
+    from fp4lab.gemm.recipe import get_recipe
 
     def quantized(layer: str, op: str) -> bool:
         try:
@@ -233,7 +233,7 @@ def quantized_operands(layers: Mapping[str, str]):
 def _heat_grid(runs: list[RunResult], layers, metric: str) -> np.ndarray:
     """layer x operand values of ``metric``, the mean over a policy's seeds; NaN (grey) where
     the recipe does not quantize the operand."""
-    from fp4lab.recipe import OPERANDS
+    from fp4lab.gemm.recipe import OPERANDS
 
     grids = []
     for r in runs:
@@ -249,7 +249,7 @@ def _heat_grid(runs: list[RunResult], layers, metric: str) -> np.ndarray:
 
 def _heat_panel(ax, axes, policy: str, runs: list[RunResult], layers, metric: str, cmap):
     """One policy's panel of :func:`plot_heatmaps`; returns its image."""
-    from fp4lab.recipe import OPERANDS
+    from fp4lab.gemm.recipe import OPERANDS
 
     is_under = metric == "underflow"
     vmin, vmax = (0.0, 100.0) if is_under else (0.0, 40.0)

@@ -67,7 +67,7 @@ from fp4lab.export.blocks import tensor_name
 from fp4lab.export.safetensors_files import load_safetensors_dir, model_config, read_safetensors
 from fp4lab.export.weights import quantized_weights
 from fp4lab.policy import PrecisionPolicy, get_policy
-from fp4lab.qarray import QArray
+from fp4lab.numerics.qarray import QArray
 
 __all__ = ["LAYOUTS", "LAYOUT_TABLE", "Layout", "quantized_weights", "save", "export", "load",
            "tensor_name", "read_safetensors"]

@@ -1,6 +1,6 @@
 """What every layout shares: a quantized kernel in the ``[..., out, in]`` form the engines
 store (:class:`Blocks`), and back to a QArray (codes packed by the core's
-:func:`fp4lab.rounding.pack_nibbles`); tensor names; the NVFP4 per-tensor values the
+:func:`fp4lab.numerics.rounding.pack_nibbles`); tensor names; the NVFP4 per-tensor values the
 layouts store (2688 from the element formats, the block factors from the core's NVFP4
 scheme); optional imports, errors."""
 
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fp4lab import rounding
-from fp4lab.formats import E2M1, E4M3, get_format
-from fp4lab.qarray import QArray
+from fp4lab.numerics import rounding
+from fp4lab.numerics.formats import E2M1, E4M3, get_format
+from fp4lab.numerics.qarray import QArray
 
 EXTRA = "pip install 'fp4lab[export]'"
 F32 = np.float32
@@ -31,12 +31,12 @@ PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, stru
 
 def unpack(data: np.ndarray, halves: int | None = None) -> np.ndarray:
     """4-bit codes, one a byte, from packed bytes along the last axis (fp4lab's order, or
-    GGML's with ``halves``: :func:`fp4lab.rounding.unpack_nibbles`)."""
+    GGML's with ``halves``: :func:`fp4lab.numerics.rounding.unpack_nibbles`)."""
     return np.asarray(rounding.unpack_nibbles(jnp.asarray(data), -1, halves=halves))
 
 
 def pack(codes: np.ndarray, halves: int | None = None) -> np.ndarray:
-    """Inverse of :func:`unpack` (:func:`fp4lab.rounding.pack_nibbles`)."""
+    """Inverse of :func:`unpack` (:func:`fp4lab.numerics.rounding.pack_nibbles`)."""
     return np.asarray(rounding.pack_nibbles(jnp.asarray(codes), -1, halves=halves))
 
 
@@ -115,7 +115,7 @@ def nvfp4_amax(path: str, b: Blocks) -> np.float32:
 
 def nvfp4_encode_factor(amax: np.float32) -> np.float32:
     """Transformer Engine's ``S_enc = min(fl(2688 / amax), FLT_MAX)``, 1 for an amax of 0
-    (or one whose quotient is 0), as :class:`fp4lab.scaling.NVFP4Scale` encodes
+    (or one whose quotient is 0), as :class:`fp4lab.numerics.scaling.NVFP4Scale` encodes
     (docs/numerics.md). The quotients here are NumPy's IEEE float32 divisions, correctly
     rounded as the core's ``rounding.div`` is, but with subnormals kept: a checkpoint's value
     is C's, and XLA:CPU (so ``rounding.div`` on CPU) flushes a subnormal quotient to 0."""

@@ -32,7 +32,7 @@ from fp4lab.export.blocks import (F32, NVFP4_FACTOR, PARSE_ERRORS, Blocks, block
                                   is_kernel, nvfp4_amax, nvfp4_block_factors,
                                   nvfp4_decode_scale, pack, plain, qarray, require, unpack)
 from fp4lab.files import atomic
-from fp4lab.qarray import QArray
+from fp4lab.numerics.qarray import QArray
 
 
 @dataclasses.dataclass(frozen=True)

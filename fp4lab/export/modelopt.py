@@ -9,7 +9,7 @@ from pathlib import Path
 from fp4lab.export.blocks import NVFP4_FACTOR, F32, Blocks, nvfp4_decode_scale, pack
 from fp4lab.export.nvfp4 import nvfp4_tensors
 from fp4lab.export.safetensors_files import write_config
-from fp4lab.qarray import QArray
+from fp4lab.numerics.qarray import QArray
 
 FORMATS = ("nvfp4",)
 

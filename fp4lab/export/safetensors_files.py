@@ -14,7 +14,7 @@ import numpy as np
 
 from fp4lab.export.blocks import NVFP4_FACTOR, corrupt, is_kernel, plain, qarray, require, unpack
 from fp4lab.files import atomic
-from fp4lab.qarray import QArray
+from fp4lab.numerics.qarray import QArray
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8, "I8": np.int8,

@@ -11,8 +11,8 @@ import numpy as np
 
 from fp4lab.export.blocks import F32, blocks, qarray
 from fp4lab.policy import get_policy
-from fp4lab.qarray import QArray
-from fp4lab.quantize import quantize
+from fp4lab.numerics.qarray import QArray
+from fp4lab.numerics.quantize import quantize
 
 # GGML's formats whose blocks of zero scale the export takes from GGML's C arithmetic
 GGML_FORMATS = ("int4_q4_0", "int8_q8_0")

@@ -121,7 +121,7 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     across processes and independent of the order layers are visited in.
     Linen: returns a :class:`QuantizedLinen` wrapper (use its ``init``/``apply``; SR keys come
     from ``apply``'s ``rngs={"quant": key}``).
-    ``backend``: which implementation quantizes (:mod:`fp4lab.backend`).
+    ``backend``: which implementation quantizes (:mod:`fp4lab.numerics.backend`).
     ``probes=True`` (NNX): every quantized GEMM gets a :class:`~fp4lab.flax.nnx.QuantProbe`
     whose gradient is its operands' numerics; :func:`probe_records` reads them.
 

@@ -3,7 +3,7 @@
 :class:`QDense`, :class:`QDenseGeneral` and :class:`QEinsum` subclass the Flax layers and keep
 their parameters. :class:`QuantizedLinen` wraps an unmodified model: its ``apply`` intercepts
 every ``nn.Dense`` and ``nn.DenseGeneral`` (through their ``dot_general`` hook) and ``nn.Einsum``
-(computed with :func:`~fp4lab.qdot.qeinsum`, which keeps the input as X and the kernel as W;
+(computed with :func:`~fp4lab.gemm.qdot.qeinsum`, which keeps the input as X and the kernel as W;
 ``jnp.einsum`` may swap its operands, which would swap the recipe's roles).
 """
 
@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp4lab.einsum import plan_einsum
+from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.flax.internals import linen_calling_module, linen_einsum_bias_shape
 from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, note_weight,
                                      stack_of)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
                              quantized_call, runs_as_written, trace_abstractly)
 from fp4lab.policy import Assignment, ExplainTable, PrecisionPolicy, check_unused
-from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.recipe import Recipe, get_recipe
+from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers",
            "LAYER_TYPES"]
@@ -77,7 +77,7 @@ class QDense(nn.Dense):
     """``nn.Dense`` whose three GEMMs follow ``recipe`` (parameters ``kernel``, ``bias``)."""
 
     recipe: str | Recipe = "bf16"
-    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
+    backend: str = "auto"  # fp4lab.numerics.backend: which implementation quantizes
 
     def __call__(self, inputs):
         with _dot_general_hook(self, get_recipe(self.recipe), self.backend):
@@ -88,7 +88,7 @@ class QDenseGeneral(nn.DenseGeneral):
     """``nn.DenseGeneral`` (any contracting axes, batch dims) whose GEMMs follow ``recipe``."""
 
     recipe: str | Recipe = "bf16"
-    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
+    backend: str = "auto"  # fp4lab.numerics.backend: which implementation quantizes
 
     def __call__(self, inputs):
         with _dot_general_hook(self, get_recipe(self.recipe), self.backend):
@@ -162,7 +162,7 @@ class QuantizedLinen:
     model: nn.Module
     policy: PrecisionPolicy
     num_blocks: int | None = None
-    backend: str = "auto"  # fp4lab.backend: which implementation quantizes
+    backend: str = "auto"  # fp4lab.numerics.backend: which implementation quantizes
     strict: bool = False
     _checked: bool = dataclasses.field(default=False, repr=False, compare=False)
     _records: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -298,23 +298,23 @@ class QuantizedLinen:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def probe_zeros(self, variables, *args, **kwargs) -> dict:
-        """A ``"probes"`` collection for :meth:`apply`: a :func:`~fp4lab.probes.probe_zeros`
-        per quantized GEMM, nested like the parameters (``<path>/gemm`` for a layer,
-        ``<module path>/einsum_0`` for a call) and stacked as they are: under a Linen
-        ``nn.scan`` add ``"probes": 0`` to its ``variable_axes`` (as for ``"params"``) and
-        each block gets its own. Pass ``{**variables, "probes": probes}`` and differentiate
-        the loss with respect to ``probes``: its gradient holds every layer's GEMM-operand
-        numerics (rows: ``fp4lab.recipe.OPERANDS``; columns: ``fp4lab.metrics.METRIC_NAMES``;
-        a stacked GEMM's blocks along the scan's axis)."""
+        """A ``"probes"`` collection for :meth:`apply`: a
+        :func:`~fp4lab.features.probes.probe_zeros` per quantized GEMM, nested like the parameters
+        (``<path>/gemm`` for a layer, ``<module path>/einsum_0`` for a call) and stacked as they
+        are: under a Linen ``nn.scan`` add ``"probes": 0`` to its ``variable_axes`` (as for
+        ``"params"``) and each block gets its own. Pass ``{**variables, "probes": probes}`` and
+        differentiate the loss with respect to ``probes``: its gradient holds every layer's
+        GEMM-operand numerics (rows: ``fp4lab.gemm.recipe.OPERANDS``; columns:
+        ``fp4lab.numerics.metrics.METRIC_NAMES``; a stacked GEMM's blocks along the scan's axis)."""
         return self._state_zeros("probes", variables, args, kwargs)
 
     def history_init(self, variables, *args, **kwargs) -> dict:
         """The first ``"amax_history"`` collection for :meth:`apply`: for every GEMM whose
-        recipe uses delayed scaling (``fp8_delayed``), its ``fp4lab.delayed.init_history``
+        recipe uses delayed scaling (``fp8_delayed``), its ``fp4lab.features.delayed.init_history``
         (zeros), nested and stacked like the parameters (under ``nn.scan``, add
         ``"amax_history": 0`` to its ``variable_axes``). Pass ``{**variables,
         "amax_history": h}``, differentiate the loss with respect to ``h`` too, and
-        ``fp4lab.delayed.update(h, grad)`` gives the next step's."""
+        ``fp4lab.features.delayed.update(h, grad)`` gives the next step's."""
         return self._state_zeros("amax_history", variables, args, kwargs)
 
     def explain(self, variables, *args, strict: bool | None = None, **kwargs) -> ExplainTable:

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp4lab import outcontrol
-from fp4lab.delayed import init_history
+from fp4lab.features import outcontrol
+from fp4lab.features.delayed import init_history
 from fp4lab.flax.internals import (linen_child, linen_filter_value, linen_lifted,
                                    linen_module_stack)
-from fp4lab.probes import probe_zeros
-from fp4lab.recipe import Recipe
+from fp4lab.features.probes import probe_zeros
+from fp4lab.gemm.recipe import Recipe
 
 __all__ = ["gemm_state", "stack_of", "lifts_around", "note_weight", "RECORDING", "CREATING",
            "PASSED"]
@@ -224,7 +224,7 @@ def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
     """OutControl's state of a GEMM whose recipe has ``outliers``: when the caller made the
     ``"channel_norms"`` collection mutable, this call's per-channel L2 norms of X are added to
     its variable ``name`` (zeros at first); the GEMM's ``"outlier_channels"`` variable, if
-    given, is its split (``fp4lab.outcontrol``). ``None``: the recipe without the split."""
+    given, is its split (``fp4lab.features.outcontrol``). ``None``: the recipe without the split."""
     if recipe.outliers is None:
         return None
     _check_reaches(module, "channel_norms", name, "channel norms")

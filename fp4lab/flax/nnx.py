@@ -17,13 +17,13 @@ import numpy as np
 from flax import nnx
 
 
-from fp4lab.delayed import init_history, update
+from fp4lab.features.delayed import init_history, update
 from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swap_class
 from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_written,
                              trace_abstractly)
-from fp4lab.probes import probe_table, probe_zeros
-from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.recipe import Recipe, get_recipe
+from fp4lab.features.probes import probe_table, probe_zeros
+from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
            "QLinearGeneral", "QEinsum", "HOOKS", "LAYER_TYPES", "LAYER_CALLS", "AmaxHistory",
@@ -33,7 +33,7 @@ __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QL
 
 
 class AmaxHistory(nnx.Variable):
-    """A layer's FP8 amax history (recipes with delayed scaling; :mod:`fp4lab.delayed`)."""
+    """A layer's FP8 amax history (recipes with delayed scaling; :mod:`fp4lab.features.delayed`)."""
 
 
 def update_amax_history(model: nnx.Module, grads) -> None:
@@ -56,10 +56,10 @@ class QuantCounter(nnx.Variable):
 
 
 class QuantProbe(OverwriteWithGradient):
-    """A GEMM's probe (:mod:`fp4lab.probes`): the GEMM ignores its value, and its gradient is
-    the numerics of the GEMM's six operands in that step. Of Flax's ``_overwrite_with_gradient``
-    collection, so a host that sets those variables to their gradient after each step
-    (MaxText) holds the last step's numerics in it; otherwise differentiate with respect to it
+    """A GEMM's probe (:mod:`fp4lab.features.probes`): the GEMM ignores its value, and its gradient
+    is the numerics of the GEMM's six operands in that step. Of Flax's ``_overwrite_with_gradient``
+    collection, so a host that sets those variables to their gradient after each step (MaxText)
+    holds the last step's numerics in it; otherwise differentiate with respect to it
     (``nnx.DiffState(0, nnx.Any(nnx.Param, QuantProbe))``). :func:`probe_records` reads it."""
 
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4lab.einsum import plan_einsum
-from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.recipe import Recipe
+from fp4lab.gemm.einsum import plan_einsum
+from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.gemm.recipe import Recipe
 
 __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
            "trace_abstractly", "operand_w"]

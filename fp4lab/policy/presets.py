@@ -4,7 +4,7 @@ NVIDIA's NVFP4 pretraining paper's."""
 from __future__ import annotations
 
 from fp4lab.policy.rules import Depth, PrecisionPolicy, Rule
-from fp4lab.recipe import Recipe, get_recipe
+from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["all_layers", "nemotron3", "nvfp4_paper"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from fp4lab.policy.presets import all_layers, nemotron3, nvfp4_paper
 from fp4lab.policy.rules import PrecisionPolicy
 from fp4lab.policy.serialization import load_policy
-from fp4lab.recipe import Recipe
+from fp4lab.gemm.recipe import Recipe
 
 __all__ = ["get_policy", "register_policy", "register_policy_family", "known_policies",
            "PRESETS", "scoped_registry"]
@@ -38,7 +38,7 @@ def register_policy(name: str, factory: Callable[[], PrecisionPolicy]) -> None:
     (a recipe name means every layer in that recipe). Registering a name again with the same
     factory does nothing; with a different factory it is an error (two meanings for one
     name)."""
-    from fp4lab.recipe import RECIPES
+    from fp4lab.gemm.recipe import RECIPES
 
     if not isinstance(name, str) or not name or name != name.strip() or ":" in name:
         raise ValueError(f"policy name {name!r} must be a non-empty string without ':' or "
@@ -85,7 +85,7 @@ def _describe(factory) -> str:
 
 def known_policies() -> str:
     """What :func:`get_policy` accepts, as one line (for error messages and help texts)."""
-    from fp4lab.recipe import RECIPES
+    from fp4lab.gemm.recipe import RECIPES
 
     parts = [f"names {', '.join(_NAMES)}"] if _NAMES else []
     if _FAMILIES:
@@ -109,7 +109,7 @@ def get_policy(name: str | PrecisionPolicy | Recipe) -> PrecisionPolicy:
       ``<recipe>_bf16_first<k>`` / ``_last<k>``); the policy carries the name it was asked by.
 
     Anything else is a ``ValueError`` that lists what is known."""
-    from fp4lab.recipe import RECIPES
+    from fp4lab.gemm.recipe import RECIPES
 
     if isinstance(name, PrecisionPolicy):
         return name

@@ -8,7 +8,7 @@ import math
 import re
 from collections.abc import Iterable
 
-from fp4lab.recipe import Recipe, get_recipe
+from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "block_pattern_for",
            "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "DEFAULT_BLOCK_PATTERN"]
@@ -122,7 +122,7 @@ class Rule:
 def _short_repr(obj) -> str:
     """``obj``'s dataclass repr without the fields at their defaults, registered recipes by
     name (a recipe's full repr is pages long: ``Recipe.describe()`` shows it)."""
-    from fp4lab.recipe import RECIPES
+    from fp4lab.gemm.recipe import RECIPES
 
     def show(v):
         if isinstance(v, Recipe) and RECIPES.get(v.name) == v:

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 
 from fp4lab.policy.rules import DEFAULT_BLOCK_PATTERN, Depth, PrecisionPolicy, Rule
-from fp4lab.recipe import Recipe, get_recipe
+from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["policy_to_dict", "policy_from_dict", "load_policy", "save_policy"]
 
@@ -43,7 +43,7 @@ def save_policy(policy: PrecisionPolicy, path) -> None:
 
 def policy_to_dict(policy: PrecisionPolicy) -> dict:
     """A JSON-able description of ``policy`` (recipes by registry name)."""
-    from fp4lab.recipe import RECIPES
+    from fp4lab.gemm.recipe import RECIPES
 
     def recipe_name(r: Recipe) -> str:
         if RECIPES.get(r.name) != r:

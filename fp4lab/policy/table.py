@@ -1,5 +1,5 @@
 """The explain table: a policy resolved over a model's layers, each recipe described once
-(:meth:`fp4lab.recipe.Recipe.notes`), and the rules that matched nothing."""
+(:meth:`fp4lab.gemm.recipe.Recipe.notes`), and the rules that matched nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Iterable
 
 from fp4lab.policy.rules import PolicyWarning, PrecisionPolicy
-from fp4lab.recipe import Recipe
+from fp4lab.gemm.recipe import Recipe
 
 __all__ = ["ExplainTable", "explain", "check_unused"]
 

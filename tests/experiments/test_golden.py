@@ -60,7 +60,7 @@ def first_steps(policy: str, text, steps: int = 2,
     from experiments.model import HybridLM
     from experiments.optimizers import make_optimizer
     from experiments.step import TrainState, make_step, model_config
-    from fp4lab.delayed import AmaxHistories
+    from fp4lab.features.delayed import AmaxHistories
     from fp4lab.features.protocol import Run
     from fp4lab.flax import quantize_model
 

@@ -90,7 +90,7 @@ def test_the_recurrent_state_path_equals_the_parallel_scan_in_fp32():
 
 def test_the_residual_stream_stored_in_fp8(model_and_params):
     from experiments.model import residual_probes, store_residual
-    from fp4lab.formats import E4M3
+    from fp4lab.numerics.formats import E4M3
 
     x = jnp.array([[[500.0, -1e-4, 0.3, 448.0, 2.0 ** -9, 0.0]]])
     grid = np.asarray(store_residual(x, "e4m3"))  # NumPy check of the E4M3 grid
@@ -120,7 +120,8 @@ def test_the_residual_stream_stored_in_fp8(model_and_params):
 def test_the_mlp_recomputed_from_its_stored_input(model_and_params):
     """model.mlp_saved: the forward is unchanged, the down projection's gradient too (its
     input is kept as it came), and the gradient into the MLP's input is the squared ReLU's
-    at the FP8-stored hidden activations (fp4lab.saved.recompute; numerics in test_saved.py)."""
+    at the FP8-stored hidden activations (fp4lab.gemm.saved.recompute; numerics in
+    test_saved.py)."""
     model, params, tokens = model_and_params
     stored = HybridLM(dataclasses.replace(CFG, mlp_saved="fp8_block128"))
 

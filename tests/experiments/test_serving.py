@@ -32,7 +32,7 @@ from experiments.model import HybridLM, ModelConfig
 from experiments.runs import load_run, validation_tokens
 from fp4lab import export
 from fp4lab.policy import all_layers
-from fp4lab.recipe import OperandQuant, Recipe
+from fp4lab.gemm.recipe import OperandQuant, Recipe
 
 # the QAT forward with the weight taken as it is: X cast to BF16, W in float32
 BF16_X_FP32_W = Recipe(name="bf16_x_fp32_w", fprop_x=OperandQuant(format="bf16"),

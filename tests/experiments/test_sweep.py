@@ -18,7 +18,7 @@ from experiments.auto_assign import assign_from_summaries, layer_passes
 from experiments.configs import apply_overrides, load_config
 from experiments.train import train as real_train
 from fp4lab.policy import explain, policy_from_dict, policy_to_dict
-from fp4lab.recipe import OPERANDS
+from fp4lab.gemm.recipe import OPERANDS
 
 
 def tiny_sweep(corpus_dir, *overrides):

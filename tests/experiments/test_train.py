@@ -449,7 +449,7 @@ def test_outcontrol_records_every_gemm_input(tiny, text):
 
     from experiments.run_spec import specify
     from experiments.setup import build
-    from fp4lab.outcontrol import record
+    from fp4lab.features.outcontrol import record
 
     tiny.precision.policy = "tetrajet_v2_outcontrol"
     setup = build(specify(tiny, text))
@@ -543,7 +543,7 @@ def test_outcontrol_beside_delayed_scaling(tiny, text, tmp_path):
 
     from experiments.run_spec import specify
     from experiments.setup import build
-    from fp4lab.outcontrol import record
+    from fp4lab.features.outcontrol import record
     from fp4lab.policy import PrecisionPolicy, Rule, save_policy
 
     policy = tmp_path / "policy.json"

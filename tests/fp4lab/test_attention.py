@@ -1,4 +1,4 @@
-"""fp4lab.attention: the flash-style attention against float64 formulas, its flash backward,
+"""fp4lab.beyond.attention: the flash-style attention against float64 formulas, its flash backward,
 and the mechanism Kimi K3 removes: BF16 P.V is biased on rows with near-repeated maxima."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4lab.attention import flash_attention
+from fp4lab.beyond.attention import flash_attention
 
 
 def _reference(q, k, v, causal):
@@ -130,7 +130,7 @@ FMT = "e5m6_block128_pow2"
 def _attention_then_gemm(saved):
     """The attention output (heads merged) into a GEMM that stores its input in E5M6
     (recipe bf16_saved_e5m6_pow2); ``saved``: flash_attention's saved_format / saved_dtype."""
-    from fp4lab.qdot import qdot_general
+    from fp4lab.gemm.qdot import qdot_general
 
     kw = {"saved_format": saved} if saved == FMT else {"saved_dtype": saved}
 
@@ -176,7 +176,7 @@ def test_the_e5m6_attention_output_is_one_copy_shared_by_both_consumers():
     copy (the GEMM's) and no other copy of O; the gradients equal a float64 oracle in which
     both consumers use DQ(Q(O)), and differ from one that uses O itself."""
     import fp4lab
-    from fp4lab.attention import stored_output
+    from fp4lab.beyond.attention import stored_output
 
     q, k, v, w, g = _gemm_inputs()
     f = _attention_then_gemm(FMT)

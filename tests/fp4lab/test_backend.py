@@ -1,4 +1,4 @@
-"""fp4lab.backend: the kernel table serves or refuses requests by data, and the kernel path
+"""fp4lab.numerics.backend: the kernel table serves or refuses requests by data, and the kernel path
 gives the reference's bits through the public API."""
 
 import dataclasses
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import fp4lab
-from fp4lab import backend
-from fp4lab.qdot import qdot_general
+from fp4lab.numerics import backend
+from fp4lab.gemm.qdot import qdot_general
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -77,7 +77,7 @@ def test_the_table_is_data_and_fp4lab_never_imports_the_kernels():
         "quantize kernel serves tile=(16, 16), tile=(32, 32), not tile=(64, 64)")
     assert "empty array" in backend.refusal(backend.Request(
         op="quantize", format=fp4lab.get_format("nvfp4"), shape=(0, 64)))
-    with pytest.raises(TypeError, match="takes a fp4lab.backend.Kernel"):
+    with pytest.raises(TypeError, match="takes a fp4lab.numerics.backend.Kernel"):
         backend.register(lambda x: x)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fp4lab import cli, export
-from fp4lab.formats import FORMATS
+from fp4lab.numerics.formats import FORMATS
 
 
 def test_formats_table(capsys):
@@ -195,7 +195,7 @@ def test_q4_0_saturation_counts_only_clipped_values(tmp_path, capsys):
     -8; and the codes -8..7 times 0.25): no saturation, where it reported 100 % and 6.25 %;
     values beyond the positive end (+8 in a block whose maximum is negative) are clipped
     and counted."""
-    from fp4lab.metrics import quant_metrics
+    from fp4lab.numerics.metrics import quant_metrics
 
     exact = np.stack([np.full(32, 0.75), np.tile(np.arange(-8, 8) * 0.25, 2)]).astype(
         np.float32)

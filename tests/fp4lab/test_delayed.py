@@ -1,4 +1,4 @@
-"""FP8 delayed scaling (fp4lab.delayed, recipe fp8_delayed): each step's per-tensor scales
+"""FP8 delayed scaling (fp4lab.features.delayed, recipe fp8_delayed): each step's per-tensor scales
 come from the amax history of the previous steps, against a NumPy simulation of TE's
 DelayedScaling; the history is explicit state in qdot, Linen and NNX."""
 
@@ -13,13 +13,13 @@ from flax import linen as nn
 from flax import nnx
 
 import fp4lab
-from fp4lab import delayed
-from fp4lab.delayed import DelayedScaling
+from fp4lab.features import delayed
+from fp4lab.features.delayed import DelayedScaling
 from fp4lab.flax import quantize_model
 from fp4lab.flax.nnx import AmaxHistory, update_amax_history
-from fp4lab.qdot import qdot_general
-from fp4lab.recipe import OPERANDS
-from fp4lab.recipe import RECIPES, Recipe
+from fp4lab.gemm.qdot import qdot_general
+from fp4lab.gemm.recipe import OPERANDS
+from fp4lab.gemm.recipe import RECIPES, Recipe
 
 DN = (((1,), (0,)), ((), ()))
 F32 = np.float32
@@ -166,7 +166,7 @@ def test_nnx_history_variable_and_update():
 def test_probes_show_the_scale_lag_as_saturation():
     """A tensor that grew 8x since its history saturates under the delayed scale; the same
     GEMM with current scaling does not."""
-    from fp4lab.probes import probe_table, probe_zeros
+    from fp4lab.features.probes import probe_table, probe_zeros
 
     r = RECIPES["fp8_delayed"]
     x, w, _ = steps_data(1)[0]

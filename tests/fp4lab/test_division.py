@@ -1,4 +1,4 @@
-"""fp4lab.rounding.div: correctly rounded float32 division on every platform, so the XLA
+"""fp4lab.numerics.rounding.div: correctly rounded float32 division on every platform, so the XLA
 reference's scales are bit-exact on GPUs too (whose XLA division is approximate)."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4lab
-from fp4lab.rounding import div_rn_bits, div
+from fp4lab.numerics.rounding import div_rn_bits, div
 
 SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1.1754942e-38,
                      1.17549435e-38, 3.4028235e38, 1.0, 3.0, 6.0, 448.0, 2688.0, 1 / 6],

@@ -12,8 +12,8 @@ import pytest
 
 import adversarial as adv
 import fp4lab
-from fp4lab import rounding as rnd
-from fp4lab.formats import E5M6
+from fp4lab.numerics import rounding as rnd
+from fp4lab.numerics.formats import E5M6
 
 MAX = (2 - 2.0 ** -6) * 2.0 ** 15
 
@@ -68,8 +68,8 @@ def test_the_block_format_is_abs_max_scaled_e5m6():
 
 
 def test_e5m6_as_the_saved_attention_output():
-    from fp4lab.qdot import qdot_general, saved_bytes
-    from fp4lab.recipe import SavedX, get_recipe
+    from fp4lab.gemm.qdot import qdot_general, saved_bytes
+    from fp4lab.gemm.recipe import SavedX, get_recipe
 
     recipe = dataclasses.replace(get_recipe("bf16"), name="bf16_saved_e5m6",
                                  saved_x=SavedX("e5m6_block128"))
@@ -86,7 +86,7 @@ def test_e5m6_as_the_saved_attention_output():
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
 def test_the_storage_dtype_formats_still_convert(fmt):
-    from fp4lab.formats import ELEMENTS
+    from fp4lab.numerics.formats import ELEMENTS
 
     assert ELEMENTS[fmt].is_storage_dtype and not E5M6.is_storage_dtype
 
@@ -203,7 +203,7 @@ def test_pow2_scales_step_exactly_where_the_max_would_overflow():
 
 
 def test_pow2_is_saved_attention_storage_of_the_same_size():
-    from fp4lab.qdot import saved_bytes
+    from fp4lab.gemm.qdot import saved_bytes
 
     x = jax.ShapeDtypeStruct((32, 128), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((128, 16), jnp.bfloat16)

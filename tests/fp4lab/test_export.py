@@ -19,8 +19,8 @@ from adversarial import cases
 import fp4lab
 from fp4lab import export
 from fp4lab.policy import PrecisionPolicy, Rule
-from fp4lab.operand_quant import quantize_operand
-from fp4lab.recipe import OperandQuant, get_recipe
+from fp4lab.gemm.operand_quant import quantize_operand
+from fp4lab.gemm.recipe import OperandQuant, get_recipe
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
@@ -270,10 +270,10 @@ def _unsigned_zeros(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [16, 32])
 def test_ggml_nibble_order_is_the_halves_of_each_run(n):
-    """fp4lab.rounding.pack_nibbles(halves=n), which the GGUF writer uses: in each run of n
+    """fp4lab.numerics.rounding.pack_nibbles(halves=n), which the GGUF writer uses: in each run of n
     codes, byte j holds code j low and code j + n/2 high (ggml-common.h's block_q4_0 and
     block_mxfp4 with n = 32, each 16 of block_nvfp4 with n = 16), and unpack inverts it."""
-    from fp4lab import rounding
+    from fp4lab.numerics import rounding
 
     codes = np.random.default_rng(n).integers(0, 16, (3, 4 * n), dtype=np.uint8)
     packed = np.asarray(rounding.pack_nibbles(jnp.asarray(codes), -1, halves=n))
@@ -642,7 +642,8 @@ def test_import_fp4lab_is_the_core_alone():
     import sys
 
     code = ("import sys, fp4lab; print(' '.join(sorted(m for m in sys.modules if m in ("
-            "'fp4lab.export', 'fp4lab.attention', 'fp4lab.mismatch', 'fp4lab.reduction', "
+            "'fp4lab.export', 'fp4lab.beyond.attention', 'fp4lab.beyond.mismatch', "
+            "'fp4lab.beyond.reduction', "
             "'fp4lab.flax', 'gguf', 'safetensors', 'flax'))))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

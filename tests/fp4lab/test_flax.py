@@ -255,7 +255,7 @@ def test_linen_sharded_parameters_give_the_unsharded_result():
 
 
 def test_linen_probes_collect_every_layers_gemm_numerics():
-    from fp4lab.metrics import METRIC_NAMES, quant_metrics
+    from fp4lab.numerics.metrics import METRIC_NAMES, quant_metrics
 
     x = jax.random.normal(jax.random.key(0), (4, 8, 32))
     model = LinenMLP()
@@ -330,7 +330,7 @@ def test_linen_outcontrol_collections():
                                rtol=1e-6)
     base = quantize_model(model, "all:tetrajet_v2").apply(params, x, rngs=rngs)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(base))
-    order = jax.tree.map(fp4lab.outcontrol.channel_order, norms)
+    order = jax.tree.map(fp4lab.features.outcontrol.channel_order, norms)
     split = qm.apply({**params, "outlier_channels": order}, x, rngs=rngs)
     assert not np.array_equal(np.asarray(split), np.asarray(y))
     # the Dense layer, by hand: its GEMM with the channels, plus its bias

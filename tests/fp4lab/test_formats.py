@@ -1,4 +1,4 @@
-"""fp4lab.formats: the registry, element grids and format properties."""
+"""fp4lab.numerics.formats: the registry, element grids and format properties."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fp4lab
-from fp4lab.formats import ELEMENTS, FORMATS, get_format
+from fp4lab.numerics.formats import ELEMENTS, FORMATS, get_format
 
 
 def test_registry_has_every_required_format():

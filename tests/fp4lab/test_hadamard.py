@@ -1,4 +1,4 @@
-"""fp4lab.hadamard.rht against NumPy: the butterfly order bit for bit, the matrix within
+"""fp4lab.numerics.hadamard.rht against NumPy: the butterfly order bit for bit, the matrix within
 rounding, and the propagation of infinities and NaN."""
 
 import jax
@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4lab.hadamard import (TE_SIGNS, hadamard_matrix, random_signs, rht, rht_matrix,
+from fp4lab.numerics.hadamard import (TE_SIGNS, hadamard_matrix, random_signs, rht, rht_matrix,
                              rht_transpose, rotate)
 
 
 def numpy_rht_groups(g, signs, n):
     """NumPy float32: ``fl(W(s * g) * fl(1/sqrt(n)))`` over the last axis of ``g`` (groups of
-    ``n``), W as butterflies h = 1, 2, 4, ... (the order fp4lab.hadamard documents)."""
+    ``n``), W as butterflies h = 1, 2, 4, ... (the order fp4lab.numerics.hadamard documents)."""
     u = [np.float32(signs[i]) * g[..., i] for i in range(n)]
     h = 1
     while h < n:
@@ -91,7 +91,7 @@ def test_rht_rejects_integer_input_and_bad_signs():
 def test_rht_transpose_is_the_transpose_of_the_dense_matrix(signs):
     """rht_transpose(y) = y @ Tb^T (Tb block-diagonal diag(s) H c) along either axis, cut to
     the input's length; for a drawn sign vector too."""
-    from fp4lab.hadamard import random_signs, rht_transpose
+    from fp4lab.numerics.hadamard import random_signs, rht_transpose
     s = random_signs(jax.random.key(1), 16) if signs == "array" else signs
     t = (np.asarray(s, np.float64)[:, None] * hadamard_matrix(16) / 4 if signs == "array"
          else rht_matrix(16, signs).astype(np.float64))

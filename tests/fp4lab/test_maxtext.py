@@ -1,4 +1,4 @@
-"""fp4lab policies inside MaxText's own trainer (``python -m fp4lab.maxtext``), run in
+"""fp4lab policies inside MaxText's own trainer (``python -m fp4lab.integrations.maxtext``), run in
 MaxText's environment (``scripts/maxtext-venv``) on MaxText's tiny config: 2 decoder layers,
 d 64, synthetic data, on a 4-device CPU mesh (fsdp 2 x tensor 2)."""
 
@@ -17,7 +17,7 @@ from environments import MAXTEXT, python_of
 from flax import nnx
 
 from fp4lab.flax import assignments
-from fp4lab.maxtext import Options, quantize, split_args
+from fp4lab.integrations.maxtext import Options, quantize, split_args
 
 TINY = ("base.yml hardware=cpu skip_jax_distributed_system=True dataset_type=synthetic "
         "base_emb_dim=64 base_num_decoder_layers=2 base_mlp_dim=128 base_num_query_heads=2 "
@@ -50,13 +50,13 @@ def _env(devices: int, xla: str = "", **extra: str) -> dict:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla}", **extra}
 
 
-def train(python, out: Path, name: str, *args: str, module="fp4lab.maxtext", devices=4,
+def train(python, out: Path, name: str, *args: str, module="fp4lab.integrations.maxtext", devices=4,
           check=True, dump=False) -> subprocess.CompletedProcess:
     """One run of MaxText's trainer; its metrics in ``out/<name>.jsonl``, and with ``dump``
     XLA's compiled programs in ``out/<name>.hlo``."""
     cmd = [str(python), "-m", module, *TINY, f"base_output_directory={out}",
            f"run_name={name}", f"metrics_file={out / name}.jsonl", *args]
-    if module != "fp4lab.maxtext":
+    if module != "fp4lab.integrations.maxtext":
         cmd[3] = _base_yml(python)
     xla = f"--xla_dump_to={out / name}.hlo --xla_dump_hlo_as_text" if dump else ""
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out,
@@ -74,7 +74,7 @@ def _base_yml(python) -> str:
 
 
 def table(stdout: str) -> dict[str, tuple[str, str]]:
-    """The assignment table fp4lab.maxtext prints: layer -> (block, recipe)."""
+    """The assignment table fp4lab.integrations.maxtext prints: layer -> (block, recipe)."""
     rows = [line.split() for line in stdout.splitlines() if line.startswith("decoder/")]
     return {row[0]: (row[2], row[3]) for row in rows}
 
@@ -165,7 +165,8 @@ def refusal(run: subprocess.CompletedProcess) -> str:
 ], ids=["nemotron3-scanned", "outcontrol", "quantization", "policy-file"])
 def test_refusals_of_the_models_build_are_one_line(maxtext_python, tmp_path, args, says):
     """What fp4lab refuses while MaxText builds the model prints as the command line's
-    refusals do (fp4lab.maxtext.is_refusal): one line naming the value, no traceback."""
+    refusals do (fp4lab.integrations.maxtext.is_refusal): one line naming the value, no
+    traceback."""
     line = refusal(train(maxtext_python, tmp_path, "refused", "steps=1", *args, check=False))
     for text in says:
         assert text in line, line
@@ -184,17 +185,17 @@ def test_maxtexts_own_errors_keep_their_traceback(maxtext_python, tmp_path):
 
 
 def test_only_a_raise_in_fp4lab_is_a_refusal():
-    """fp4lab.maxtext's rule: a ValueError (FileNotFoundError, ImportError) raised by a
+    """fp4lab.integrations.maxtext's rule: a ValueError (FileNotFoundError, ImportError) raised by a
     ``raise`` in fp4lab's source is a refusal, also inside a JAX trace; the same types raised
     by JAX (under jit too, where JAX filters the traceback), and other types raised by
     fp4lab, are not."""
     import jax.numpy as jnp
 
     from fp4lab.flax.nnx import register_layer
-    from fp4lab.maxtext import is_refusal
+    from fp4lab.integrations.maxtext import is_refusal
     from fp4lab.policy import get_policy
-    from fp4lab.qdot import qdot_general
-    from fp4lab.quantize import straight_through
+    from fp4lab.gemm.qdot import qdot_general
+    from fp4lab.numerics.quantize import straight_through
 
     def caught(f):
         try:
@@ -251,8 +252,8 @@ def test_sr_streams_advance_and_a_resumed_run_continues_bit_exactly(maxtext_pyth
 
 
 def probes_are_reported(metrics_file: Path) -> None:
-    from fp4lab.metrics import METRIC_NAMES
-    from fp4lab.recipe import OPERANDS
+    from fp4lab.numerics.metrics import METRIC_NAMES
+    from fp4lab.gemm.recipe import OPERANDS
 
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     gemms = [f"decoder/layers/{g}[{i}]" for i in range(2) for g in (
@@ -273,7 +274,7 @@ def test_two_processes_through_maxtexts_distributed_initialization(maxtext_pytho
     """Two JAX processes of two CPU devices each (gloo collectives), initialized by MaxText
     itself, train one NVFP4 step: the loss of the one-process 4-device run."""
     train(maxtext_python, tmp_path, "one", "steps=1", "fp4lab.policy=all:nvfp4")
-    cmd = [str(maxtext_python), "-m", "fp4lab.maxtext",
+    cmd = [str(maxtext_python), "-m", "fp4lab.integrations.maxtext",
            *[a.replace("skip_jax_distributed_system=True", "skip_jax_distributed_system=False")
              for a in TINY], f"base_output_directory={tmp_path}", "run_name=two", "steps=1",
            "fp4lab.policy=all:nvfp4", f"metrics_file={tmp_path}/two.jsonl"]
@@ -296,10 +297,11 @@ def test_a_missing_maxtext_is_one_line_naming_the_install(tmp_path):
     """In an environment without MaxText (this one), the command says how to install it."""
     if importlib.util.find_spec("maxtext") is not None:
         pytest.skip("this environment has MaxText")
-    run = subprocess.run([sys.executable, "-m", "fp4lab.maxtext", "base.yml", "steps=1"],
-                         capture_output=True, text=True, cwd=tmp_path)
+    run = subprocess.run([sys.executable, "-m", "fp4lab.integrations.maxtext", "base.yml",
+                          "steps=1"], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1].startswith("error: fp4lab.maxtext needs MaxText")
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "error: fp4lab.integrations.maxtext needs MaxText")
     assert "scripts/maxtext-venv" in run.stderr
 
 

@@ -1,4 +1,4 @@
-"""fp4lab.metrics: known values on constructed tensors, and the reference figures of
+"""fp4lab.numerics.metrics: known values on constructed tensors, and the reference figures of
 docs/numerics.md."""
 
 import jax
@@ -8,7 +8,7 @@ import numpy_ref
 import pytest
 
 import fp4lab
-from fp4lab.metrics import METRIC_NAMES, quant_metrics
+from fp4lab.numerics.metrics import METRIC_NAMES, quant_metrics
 
 
 def test_everything_below_the_smallest_value_underflows():

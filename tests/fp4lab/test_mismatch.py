@@ -1,4 +1,4 @@
-"""fp4lab.mismatch against hand computations: plain-Python loops over tokens in float64."""
+"""fp4lab.beyond.mismatch against hand computations: plain-Python loops over tokens in float64."""
 
 import math
 from decimal import Decimal, localcontext
@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from fp4lab.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
+from fp4lab.beyond.mismatch import mismatch_metrics, token_mult_prob_error, truncated_is_weights
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from flax import nnx
 from fp4lab.flax import linear_layers, op_calls, quantize_model
 from fp4lab.flax.nnx import AmaxHistory, update_amax_history
 from fp4lab.policy import OP_KINDS, PolicyWarning, PrecisionPolicy, Rule, explain
-from fp4lab.probes import probe_table
-from fp4lab.qdot import qdot_general, qeinsum
+from fp4lab.features.probes import probe_table
+from fp4lab.gemm.qdot import qdot_general, qeinsum
 
 
 class Model(nn.Module):  # written without fp4lab

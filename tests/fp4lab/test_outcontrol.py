@@ -1,5 +1,5 @@
-"""TetraJet-v2's OutControl (fp4lab/outcontrol.py, Recipe.outliers, qdot_general's channels=)
-against the authors' code, thu-ml/TetraJet-v2-NVFP4Training @
+"""TetraJet-v2's OutControl (fp4lab/features/outcontrol.py, Recipe.outliers, qdot_general's
+channels=) against the authors' code, thu-ml/TetraJet-v2-NVFP4Training @
 ca5953f643d85c793fb3a210bf21f17fc88ce83e, ported into tests/recipe_oracles.py:
 
 * kernels/csrc/quant_fp8.cu (MXFP8: amax/448 rounded up to a power of two by
@@ -8,7 +8,7 @@ ca5953f643d85c793fb3a210bf21f17fc88ce83e, ported into tests/recipe_oracles.py:
   by the chosen channels in their order, dgrad from the rebuilt forward W, wgrad split by
   rows) = qdot_general(..., channels=) with the split recipe;
 * calibrate.py / linear_mix.py's channel choice (sum of per-step L2 norms, argsort
-  descending) = fp4lab.outcontrol.channel_norms / channel_order.
+  descending) = fp4lab.features.outcontrol.channel_norms / channel_order.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import recipe_oracles as ro
 
-from fp4lab import outcontrol
-from fp4lab.probes import probe_zeros
-from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.quantize import fake_quant
-from fp4lab.recipe import OperandQuant, OutControl, Recipe, get_recipe
+from fp4lab.features import outcontrol
+from fp4lab.features.probes import probe_zeros
+from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.numerics.quantize import fake_quant
+from fp4lab.gemm.recipe import OperandQuant, OutControl, Recipe, get_recipe
 
 F32 = np.float32
 FTZ = jax.default_backend() == "cpu"  # XLA:CPU flushes float32 subnormals

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from fp4lab.recipe import get_recipe
+from fp4lab.gemm.recipe import get_recipe
 from fp4lab.policy import (Depth, PrecisionPolicy, Rule, all_layers, explain, get_policy,
                            nemotron3, nvfp4_paper)
 

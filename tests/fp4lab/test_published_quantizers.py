@@ -1,4 +1,4 @@
-"""The published FP4 quantizers (fp4lab/scaling.py, "published recipes") against the NumPy
+"""The published FP4 quantizers (fp4lab/numerics/scaling.py, "published recipes") against the NumPy
 oracles of tests/recipe_oracles.py, bit for bit (uint32 views: -0/+0 count, all NaNs equal):
 
 * quest_mxfp4, tseng_mxfp4: IST-DASLab/Quartet @ 00ccd38e544ac5fd56b7837844a427114b884ef8,
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import recipe_oracles as ro
 
-from fp4lab import rounding as rnd
-from fp4lab.quantize import dequantize, fake_quant, quantize
+from fp4lab.numerics import rounding as rnd
+from fp4lab.numerics.quantize import dequantize, fake_quant, quantize
 
 F32 = np.float32
 FTZ = jax.default_backend() == "cpu"  # XLA:CPU flushes float32 subnormals

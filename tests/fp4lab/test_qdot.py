@@ -1,4 +1,5 @@
-"""fp4lab.qdot: forward and gradients against an oracle built here from quantize/dequantize/dot."""
+"""fp4lab.gemm.qdot: forward and gradients against an oracle built here from
+quantize/dequantize/dot."""
 
 import dataclasses
 
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 
 import fp4lab
-from fp4lab.hadamard import hadamard_matrix, rht, rht_matrix
-from fp4lab.qdot import qdot_general, qeinsum
-from fp4lab.recipe import RECIPES, OperandQuant, get_recipe
+from fp4lab.numerics.hadamard import hadamard_matrix, rht, rht_matrix
+from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.gemm.recipe import RECIPES, OperandQuant, get_recipe
 
 HI = jax.lax.Precision.HIGHEST
 DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N)
@@ -226,8 +227,8 @@ def test_rht_matrix_is_orthogonal_and_cancels_in_wgrad():
     np.testing.assert_allclose(np.asarray(rotated), np.asarray(plain), rtol=2e-5, atol=2e-5)
     # with quantization off (fp32 operands), wgrad with and without RHT agree to fp32 rounding
     fp32_rht = RECIPES["fp32"].__class__(
-        name="fp32_rht", wgrad_x=fp4lab.recipe.OperandQuant(format="fp32", hadamard=16),
-        wgrad_dy=fp4lab.recipe.OperandQuant(format="fp32", hadamard=16))
+        name="fp32_rht", wgrad_x=fp4lab.gemm.recipe.OperandQuant(format="fp32", hadamard=16),
+        wgrad_dy=fp4lab.gemm.recipe.OperandQuant(format="fp32", hadamard=16))
     w = jnp.zeros((64, 32))
     _, _, dw_rht = run(x, w, g, fp32_rht, None)
     _, _, dw = run(x, w, g, "fp32", None)
@@ -346,7 +347,7 @@ def test_dimension_numbers_lax_refuses_are_refused(dims, error):
     with pytest.raises(ValueError, match=error):
         qdot_general(x, w, dims, "bf16")
     with pytest.raises(ValueError, match=error):
-        fp4lab.qdot.saved_bytes(x, w, dims, "nvfp4")
+        fp4lab.gemm.qdot.saved_bytes(x, w, dims, "nvfp4")
 
 
 BAD_SPECS = [("md,dn->mx", r"output letters \['x'\] are in neither operand"),
@@ -433,9 +434,9 @@ def test_probes_report_known_underflow_of_every_operand():
     # MXFP8 (E4M3, power-of-two scales): in a block whose amax is 1, magnitudes below half the
     # smallest subnormal 2**-9 * 2**-8 flush to zero. Each 32-block holds one 1.0 and 31 tiny
     # values, so exactly 31/32 of the nonzero entries underflow along the block axis.
-    from fp4lab.metrics import METRIC_NAMES
-    from fp4lab.probes import probe_table, probe_zeros
-    from fp4lab.recipe import OPERANDS
+    from fp4lab.numerics.metrics import METRIC_NAMES
+    from fp4lab.features.probes import probe_table, probe_zeros
+    from fp4lab.gemm.recipe import OPERANDS
 
     tiny = 2.0 ** -20
     blockish = np.full((64, 64), tiny, np.float32)
@@ -465,7 +466,7 @@ def test_probes_report_known_underflow_of_every_operand():
 
 
 def test_probes_of_qat_backward_are_nan_and_bf16_is_exact_for_bf16_inputs():
-    from fp4lab.probes import probe_table, probe_zeros
+    from fp4lab.features.probes import probe_table, probe_zeros
 
     x, w, g = data()
     loss = lambda p, r: jnp.sum(qdot_general(x, w, DN, r, probe=p) * g)  # noqa: E731

@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fp4lab
-from fp4lab import rounding
-from fp4lab.formats import E4M3
-from fp4lab.quantize import straight_through
-from fp4lab.recipe import OPERANDS
-from fp4lab.scaling import FourOverSixScale
+from fp4lab.numerics import rounding
+from fp4lab.numerics.formats import E4M3
+from fp4lab.numerics.quantize import straight_through
+from fp4lab.gemm.recipe import OPERANDS
+from fp4lab.numerics.scaling import FourOverSixScale
 
 F32 = np.float32
 NAN, INF = F32(np.nan), F32(np.inf)
@@ -324,7 +324,7 @@ def test_fp8_inf_and_nan_follow_te_current_scaling(fmt, elem):
         if np.isnan(v):
             assert np.isnan(y[1, 1]) and np.isnan(y).sum() == 1  # the NaN stays, alone
         else:
-            assert y[1, 1] == np.sign(v) * fp4lab.formats.ELEMENTS[elem].max
+            assert y[1, 1] == np.sign(v) * fp4lab.numerics.formats.ELEMENTS[elem].max
 
 
 def test_int_nan_poisons_its_channel_inf_saturates():
@@ -436,7 +436,7 @@ def test_passthrough(fmt):
 
 def _probe_values(elem):
     """Every grid value, every midpoint (tie), their float32 neighbours, specials."""
-    grid = np.array(fp4lab.formats.ELEMENTS[elem].grid(), np.float64)
+    grid = np.array(fp4lab.numerics.formats.ELEMENTS[elem].grid(), np.float64)
     mids = (grid[:-1] + grid[1:]) / 2
     pts = np.concatenate([grid, mids, [grid[-1] * 1.01, grid[-1] * 4, 1e30]]).astype(F32)
     pts = np.concatenate([pts, np.nextafter(pts, F32(np.inf)), np.nextafter(pts, F32(0))])
@@ -446,7 +446,7 @@ def _probe_values(elem):
 
 @pytest.mark.parametrize("elem", ["e2m1", "e4m3", "e5m2"])
 def test_every_code_and_every_tie(elem):
-    fmt = fp4lab.formats.ELEMENTS[elem]
+    fmt = fp4lab.numerics.formats.ELEMENTS[elem]
     v = _probe_values(elem)
     q = rounding.round_nearest(jnp.asarray(v), fmt)
     codes = np.asarray(rounding.encode(q, fmt))
@@ -461,7 +461,7 @@ def test_every_code_and_every_tie(elem):
 
 def test_e2m1_ties_from_numerics():
     v = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 7.0, -0.1], F32)
-    got = np.asarray(rounding.round_nearest(v, fp4lab.formats.ELEMENTS["e2m1"]))
+    got = np.asarray(rounding.round_nearest(v, fp4lab.numerics.formats.ELEMENTS["e2m1"]))
     np.testing.assert_array_equal(got, [0, 1, 1, 2, 2, 4, 4, 6, 6, -0.0])
     assert np.signbit(got[-1])
 
@@ -497,7 +497,8 @@ def test_stochastic_rounding_matches_neighbour_probabilities():
     lo, hi, p = ref.stochastic_round_grid_probs(v, "e2m1")
     n = 20000
     u = jax.random.uniform(jax.random.key(1), (n, v.size))
-    r = np.asarray(rounding.round_stochastic(jnp.asarray(v)[None], fp4lab.formats.ELEMENTS["e2m1"], u))
+    r = np.asarray(rounding.round_stochastic(jnp.asarray(v)[None],
+                                             fp4lab.numerics.formats.ELEMENTS["e2m1"], u))
     assert set(np.unique(r)) <= set(np.concatenate([lo, hi]).tolist())
     frac_up = (r == hi[None]).mean(0)
     assert np.all(np.abs(frac_up - p) < 5 * np.sqrt(p * (1 - p) / n) + 1e-9)

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from fp4lab.delayed import DelayedScaling
-from fp4lab.outcontrol import OutControl
-from fp4lab.recipe import RECIPES, OperandQuant, SavedX, get_recipe
+from fp4lab.features.delayed import DelayedScaling
+from fp4lab.features.outcontrol import OutControl
+from fp4lab.gemm.recipe import RECIPES, OperandQuant, SavedX, get_recipe
 
 
 def _with(name, **kw):

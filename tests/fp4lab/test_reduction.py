@@ -1,4 +1,4 @@
-"""fp4lab.reduction against NumPy oracles (ml_dtypes BF16 adds, explicit orders) on 8
+"""fp4lab.beyond.reduction against NumPy oracles (ml_dtypes BF16 adds, explicit orders) on 8
 simulated devices; replicas agree bit for bit; the MTP-gradient survival measurement."""
 
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from fp4lab.reduction import MODES, all_reduce, reduce_stacked, surviving_fraction
+from fp4lab.beyond.reduction import MODES, all_reduce, reduce_stacked, surviving_fraction
 
 N = 8
 BF16 = ml_dtypes.bfloat16

@@ -21,7 +21,6 @@ Three kinds of test hold the quantizers to their formulas anyway:
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import platform
 import re
@@ -36,13 +35,13 @@ import numpy as np
 import pytest
 
 import fp4lab
-from fp4lab import rounding
-from fp4lab.scaling import GGMLQ4_0Scale
+from fp4lab.numerics import quantize as quantize_module
+from fp4lab.numerics import rounding
+from fp4lab.numerics.scaling import GGMLQ4_0Scale
 from pallas_kernels.quantize import supports
 
 F32 = np.float32
 GLOBAL_AMAX = ("nvfp4", "nvfp4_4over6", "nvfp4_4over6_mse", "fp8_e4m3", "fp8_e5m2")
-quantize_module = importlib.import_module("fp4lab.quantize")  # fp4lab.quantize is the function
 
 
 @functools.cache

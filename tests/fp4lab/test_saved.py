@@ -12,9 +12,9 @@ from jax import lax
 
 import fp4lab
 import numpy_ref
-from fp4lab.qdot import qdot_general, saved_bytes
-from fp4lab.recipe import SavedX, get_recipe
-from fp4lab.saved import recompute
+from fp4lab.gemm.qdot import qdot_general, saved_bytes
+from fp4lab.gemm.recipe import SavedX, get_recipe
+from fp4lab.gemm.saved import recompute
 
 DN = (((1,), (0,)), ((), ()))
 

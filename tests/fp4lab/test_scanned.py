@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from fp4lab.flax import explain, linear_layers, quantize_model
-from fp4lab.metrics import METRIC_NAMES
+from fp4lab.numerics.metrics import METRIC_NAMES
 from fp4lab.flax.nnx import LAYER_CALLS, register_layer
 from fp4lab.policy import Depth, PrecisionPolicy, Rule, nemotron3
-from fp4lab.qdot import qdot_general
+from fp4lab.gemm.qdot import qdot_general
 
 L, D = 3, 32
 DIMS = (((1,), (0,)), ((), ()))

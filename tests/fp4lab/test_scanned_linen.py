@@ -15,7 +15,7 @@ from flax import linen as nn
 
 import fp4lab
 from fp4lab.flax import QDense, quantize_model
-from fp4lab.metrics import METRIC_NAMES
+from fp4lab.numerics.metrics import METRIC_NAMES
 
 L, D = 3, 16
 

@@ -11,7 +11,7 @@ import pytest
 from hlo import collectives, moving, scalar
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fp4lab.qdot import qdot_general
+from fp4lab.gemm.qdot import qdot_general
 
 DIMS = (((1,), (0,)), ((), ()))
 

@@ -82,8 +82,8 @@ def test_stochastic_rounding_removes_the_drift_of_a_rounded_recurrence():
 def test_a_recipe_operand_can_round_stochastically_to_bf16():
     import dataclasses
 
-    from fp4lab.operand_quant import quantize_operand
-    from fp4lab.recipe import OperandQuant
+    from fp4lab.gemm.operand_quant import quantize_operand
+    from fp4lab.gemm.recipe import OperandQuant
 
     x = jax.random.normal(jax.random.key(0), (1, 8, 64)) * (1 + 2.0 ** -10)
     op = OperandQuant(format="bf16", rounding="stochastic")

@@ -7,7 +7,7 @@ import pytest
 from kernel_helpers import assert_same_qarray
 
 import fp4lab
-from fp4lab.hadamard import rht
+from fp4lab.numerics.hadamard import rht
 from pallas_kernels.common import hash_uniform
 from pallas_kernels.quantize import KernelConfig
 from pallas_kernels.rht import rht_quantize_nvfp4
@@ -34,7 +34,7 @@ def special(shape, dtype, seed=0):
 @pytest.mark.parametrize("shape", [(5, 3), (100, 72), (64, 64), (33, 130), (200, 40)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_round_to_nearest_equals_the_reference_bit_for_bit(shape, dtype):
-    # the same butterflies in the same order as fp4lab.hadamard.rht: equal codes and scales
+    # the same butterflies in the same order as fp4lab.numerics.hadamard.rht: equal codes and scales
     # on every input, over several tiles (SMALL) and over one (the default config)
     x = special(shape, dtype)
     assert_same_qarray(rht_quantize_nvfp4(x, rounding="nearest", config=SMALL), reference(x))

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4lab.formats import Format
+from fp4lab.numerics.formats import Format
 
 __all__ = ["Geometry", "geometry", "normalize_axis", "to_blocks", "from_blocks",
            "scale_to_blocks", "scale_from_blocks"]

@@ -10,15 +10,15 @@ step, every per-tensor operand of a GEMM is quantized with
 
 and the step's own amaxes enter the history for the next step. The history is a pytree the
 training step carries, as optax carries optimizer state: for each GEMM a float32 array of
-shape ``(6, history_len)``, one row per operand in ``fp4lab.recipe.OPERANDS`` order (most recent
-first; rows of operands that are not per-tensor stay zero).
+shape ``(6, history_len)``, one row per operand in ``fp4lab.gemm.recipe.OPERANDS`` order (most
+recent first; rows of operands that are not per-tensor stay zero).
 
 How the step's amaxes come back (the backward operands' only exist in the backward pass):
 differentiate the loss with respect to the history as well; its "gradient" holds the step's
 amaxes in column 0 (the probes use the same device), and :func:`update` rolls them in::
 
     loss, (g_params, g_hist) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, hist)
-    hist = fp4lab.delayed.update(hist, g_hist)
+    hist = fp4lab.features.delayed.update(hist, g_hist)
 
 A GEMM called more than once per step (shared weights) would add its amaxes: give each call
 its own history. The scale lag shows in the probes: they measure each operand quantized with
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
-from fp4lab.operands import OPERANDS
+from fp4lab.gemm.operands import OPERANDS
 
 __all__ = ["DelayedScaling", "init_history", "history_amax", "update", "AmaxHistories"]
 

@@ -2,7 +2,7 @@
 
 A probe is a zeros array of shape (6 operands, metrics) passed as ``qdot_general(...,
 probe=probe_zeros())``; the GEMM's output does not depend on it, and its "gradient" is the
-numerics of every operand of that step: row ``i`` holds :data:`fp4lab.metrics.METRIC_NAMES`
+numerics of every operand of that step: row ``i`` holds :data:`fp4lab.numerics.metrics.METRIC_NAMES`
 for operand ``OPERANDS[i]`` (the gradient operands measured on the step's real gradients). NaN
 rows are operands the recipe does not quantize (the backward of QAT recipes). The GEMM calls
 :func:`measure` (its only use of this module) in its forward and backward passes.
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
-from fp4lab.hadamard import rht
-from fp4lab.metrics import METRIC_NAMES, operand_metrics
-from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
+from fp4lab.numerics.hadamard import rht
+from fp4lab.numerics.metrics import METRIC_NAMES, operand_metrics
+from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
 __all__ = ["probe_zeros", "probe_table", "measure", "PROBE_SHAPE", "Probes"]
 
@@ -51,7 +51,7 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
     """The metrics rows of the operands of ``gemms`` (table order), from the canonical
     ``tensors`` by role (``x``, ``w``, ``dy``; ``fwd_x``, ``fwd_w``: the forward's quantized
     X and W, for operands requantized from them), with each operand's key, delayed amax and
-    Hadamard signs (``fp4lab.operand_quant.operand_signs``)."""
+    Hadamard signs (``fp4lab.gemm.operand_quant.operand_signs``)."""
     quantized = recipe.quantized_operands
     rows = []
     for o in OPERAND_TABLE:

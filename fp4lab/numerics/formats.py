@@ -5,7 +5,7 @@ arguments:
 
 * :class:`ElementFormat` describes the bits of one element (E2M1, E4M3, E5M2, E8M0, INT8,
   INT4, and the pass-through BF16/FP16/FP32): its grid, range and how it is stored.
-* :class:`Format` combines an element format with a scale scheme (``fp4lab.scaling``) and a
+* :class:`Format` combines an element format with a scale scheme (``fp4lab.numerics.scaling``) and a
   scaling granularity (per tensor, per channel, per block of ``block`` elements along an axis).
 
 Adding a format means adding an instance to :data:`FORMATS`; no code elsewhere branches on
@@ -21,7 +21,7 @@ from typing import Literal
 import jax.numpy as jnp
 import ml_dtypes
 
-from fp4lab import scaling
+from fp4lab.numerics import scaling
 
 __all__ = [
     "ElementFormat",

@@ -31,7 +31,7 @@ from typing import Literal
 
 import jax
 
-from fp4lab.formats import ElementFormat, Format
+from fp4lab.numerics.formats import ElementFormat, Format
 
 __all__ = ["BACKENDS", "KernelFallback", "Request", "Kernel", "register", "kernels", "decide",
            "find", "refusal"]
@@ -119,7 +119,8 @@ _warned: set[str] = set()
 def register(kernel: Kernel) -> None:
     """Add ``kernel`` to the table (a kernel of the same name is replaced)."""
     if not isinstance(kernel, Kernel):
-        raise TypeError(f"register takes a fp4lab.backend.Kernel, got {type(kernel).__name__}")
+        raise TypeError("register takes a fp4lab.numerics.backend.Kernel, got "
+                        f"{type(kernel).__name__}")
     _TABLE[kernel.name] = kernel
 
 

@@ -1,7 +1,7 @@
 """The standard scale schemes: abs-max (FP8, INT), NVFP4 as Transformer Engine computes it
 (and its row-scaled variant), MX power-of-two scales, GGML's Q4_0/Q8_0; the protocol
-(:class:`ScaleScheme`) they and the published schemes (:mod:`fp4lab.scaling.published`)
-share. See :mod:`fp4lab.scaling`."""
+(:class:`ScaleScheme`) they and the published schemes (:mod:`fp4lab.numerics.scaling.published`)
+share. See :mod:`fp4lab.numerics.scaling`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4lab import rounding
+from fp4lab.numerics import rounding
 
 __all__ = ["ScaleStorage", "ScaleScheme", "NoScale", "AbsMaxScale", "NVFP4Scale",
            "RowScaledNVFP4Scale", "E8M0Scale", "PowerOfTwoScale", "CeilPowerOfTwoScale",

@@ -18,7 +18,7 @@ the low nibble; FP8 elements are float8 dtypes; INT8 is int8. Scales: E4M3 as fl
 two global factors (that is what TE stores too); it is ``None`` for other formats.
 
 Special values and the choices where the reference systems differ: docs/numerics.md, and
-``fp4lab.scaling`` per scheme.
+``fp4lab.numerics.scaling`` per scheme.
 Zeros keep their sign where the element format has one (E2M1 code 0x8 is -0).
 
 Flush-to-zero. XLA:CPU flushes float32 subnormals (inputs and results of float ops), so an
@@ -39,17 +39,17 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4lab import backend as _backend
-from fp4lab import rounding as rnd
-from fp4lab.formats import Format, get_format
-from fp4lab.geometry import (Geometry, from_blocks, geometry, scale_from_blocks,
+from fp4lab.numerics import backend as _backend
+from fp4lab.numerics import rounding as rnd
+from fp4lab.numerics.formats import Format, get_format
+from fp4lab.numerics.geometry import (Geometry, from_blocks, geometry, scale_from_blocks,
                              scale_to_blocks, to_blocks)
-from fp4lab.qarray import QArray
-from fp4lab.scaling import group_blocks
+from fp4lab.numerics.qarray import QArray
+from fp4lab.numerics.scaling import group_blocks
 
 __all__ = ["QArray", "quantize", "dequantize", "fake_quant", "fake_quant_operand", "check_key",
            "straight_through",
-           # the XLA reference's steps, for measuring what it does (fp4lab.metrics)
+           # the XLA reference's steps, for measuring what it does (fp4lab.numerics.metrics)
            "check_arguments", "Blocks", "quantize_blocks", "dequantize_blocks",
            "rounded_output", "trust_mask"]
 
@@ -278,7 +278,7 @@ def quantize(
 
     Args:
       x: floating-point array (bf16, fp16, fp32; float64 is rounded to float32 first).
-      fmt: a registry name (``fp4lab.formats.format_names()``) or a :class:`Format`.
+      fmt: a registry name (``fp4lab.numerics.formats.format_names()``) or a :class:`Format`.
       axis: the block axis (the GEMM reduction axis); ignored for per-tensor formats.
       tile: 2D tile shape for block formats, e.g. ``(16, 16)`` for NVFP4 weights.
       rounding: ``"nearest"`` (ties to even, saturating) or ``"stochastic"``.
@@ -290,7 +290,7 @@ def quantize(
         the tensor to ``±global_amax``). A traced one must satisfy the same and is not
         checked: a smaller one saturates every value above it (delayed scaling's lagging
         amax), a negative one acts as its magnitude, NaN and inf as docs/numerics.md says.
-      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.backend`); the
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see :mod:`fp4lab.numerics.backend`); the
         kernels give the same bits.
     """
     x, fmt, g, ax = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding,

@@ -1,6 +1,6 @@
 """The QArray pytree: a quantized array (codes, block scales, the per-tensor scale) with its
 format and geometry as static data. Below everything that produces or consumes one: the
-XLA quantizers (:mod:`fp4lab.quantize`), the kernels (``pallas_kernels``), the GEMMs.
+XLA quantizers (:mod:`fp4lab.numerics.quantize`), the kernels (``pallas_kernels``), the GEMMs.
 
 Layouts (docs/numerics.md): ``data`` and ``scale`` are in the padded block layout along
 ``axis`` (or of 2D ``tile``s of the last two axes); 4-bit elements are packed two per byte
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4lab.formats import Format
+from fp4lab.numerics.formats import Format
 
 __all__ = ["QArray"]
 
@@ -51,7 +51,7 @@ class QArray:
         return self.global_scale
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        from fp4lab.quantize import dequantize  # the QArray is below the quantizers
+        from fp4lab.numerics.quantize import dequantize  # the QArray is below the quantizers
 
         return dequantize(self, dtype)
 

@@ -1,6 +1,6 @@
 """What is kept for the backward pass: stored activations and recomputed elementwise blocks.
 
-A :class:`~fp4lab.recipe.SavedX` names a storage format (and optionally host memory). Two
+A :class:`~fp4lab.gemm.recipe.SavedX` names a storage format (and optionally host memory). Two
 places use it:
 
 * a quantized GEMM's ``recipe.saved_x`` (:func:`fp4lab.qdot_general`): the GEMM keeps
@@ -22,8 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4lab.quantize import dequantize, quantize
-from fp4lab.recipe import SavedX
+from fp4lab.numerics.quantize import dequantize, quantize
+from fp4lab.gemm.recipe import SavedX
 
 __all__ = ["store", "restore", "recompute"]
 

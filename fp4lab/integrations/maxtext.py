@@ -1,14 +1,14 @@
 """MaxText's own trainer with an fp4lab precision policy.
 
-``python -m fp4lab.maxtext <maxtext>/configs/base.yml key=value ... fp4lab.policy=nemotron3``
-runs ``maxtext.trainers.pre_train.train`` as MaxText does, with every GEMM of its NNX model
-quantized as the policy says. fp4lab's keys (:data:`KEYS`) are taken out of the command line
-before MaxText parses its config (MaxText refuses keys it does not know). The policy is
-applied where MaxText applies its own qwix quantization (``quantizations.
-maybe_quantize_model``), to the model every part of MaxText builds: its trainer, its
-checkpoints, its abstract model for shardings. MaxText's ``DenseGeneral`` layers are governed
-as layers of kind ``densegeneral`` under their own paths (``decoder/layers/mlp/wi_0``,
-``decoder/logits_dense``); attention's products are ``jnp.einsum`` calls that op rules govern.
+``python -m fp4lab.integrations.maxtext <maxtext>/configs/base.yml key=value ...
+fp4lab.policy=nemotron3`` runs ``maxtext.trainers.pre_train.train`` as MaxText does, with every GEMM
+of its NNX model quantized as the policy says. fp4lab's keys (:data:`KEYS`) are taken out of the
+command line before MaxText parses its config (MaxText refuses keys it does not know). The policy is
+applied where MaxText applies its own qwix quantization (``quantizations. maybe_quantize_model``),
+to the model every part of MaxText builds: its trainer, its checkpoints, its abstract model for
+shardings. MaxText's ``DenseGeneral`` layers are governed as layers of kind ``densegeneral`` under
+their own paths (``decoder/layers/mlp/wi_0``, ``decoder/logits_dense``); attention's products are
+``jnp.einsum`` calls that op rules govern.
 
 MaxText is an optional dependency: ``import fp4lab`` never imports this module, and this
 module imports MaxText only when it runs (``pip install maxtext==0.2.5`` and its CPU
@@ -74,8 +74,8 @@ def split_args(argv: list[str]) -> tuple[list[str], Options]:
 
 def probe_metrics(options: Options) -> tuple[str, ...]:
     """The probe metrics ``fp4lab.probes`` asks for (``all``: every one of
-    :data:`fp4lab.metrics.METRIC_NAMES`; empty: no probes)."""
-    from fp4lab.metrics import METRIC_NAMES
+    :data:`fp4lab.numerics.metrics.METRIC_NAMES`; empty: no probes)."""
+    from fp4lab.numerics.metrics import METRIC_NAMES
 
     if options.probes in ("", "all"):
         return METRIC_NAMES if options.probes else ()
@@ -96,8 +96,8 @@ def probe_scalars(model, metrics: tuple[str, ...]) -> dict:
     import numpy as np
 
     from fp4lab.flax.nnx import block_name, probe_rows
-    from fp4lab.metrics import METRIC_NAMES
-    from fp4lab.recipe import OPERANDS
+    from fp4lab.numerics.metrics import METRIC_NAMES
+    from fp4lab.gemm.recipe import OPERANDS
 
     out = {}
     for name, (recipe, rows) in probe_rows(model).items():
@@ -130,7 +130,8 @@ def _maxtext():
     try:
         from maxtext.layers import linears, quantizations
     except ImportError as e:
-        raise ImportError(f"fp4lab.maxtext needs MaxText ({e}); install it: {INSTALL}") from None
+        raise ImportError(f"fp4lab.integrations.maxtext needs MaxText ({e}); install it: "
+                          f"{INSTALL}") from None
     return linears, quantizations
 
 
@@ -143,8 +144,8 @@ def quantize(model, config, options: Options):
     from fp4lab.flax import assignments, quantize_model
 
     if not isinstance(model, nnx.Module):
-        raise ValueError("fp4lab.maxtext quantizes MaxText's NNX model; this MaxText built "
-                         f"a {type(model).__name__}")
+        raise ValueError("fp4lab.integrations.maxtext quantizes MaxText's NNX model; this "
+                         f"MaxText built a {type(model).__name__}")
     if config.quantization:  # MaxText's QuantizationType enum: its value is what was typed
         given = getattr(config.quantization, "value", config.quantization)
         raise ValueError(f"quantization={given!r} (MaxText's own quantization) "
@@ -268,8 +269,8 @@ def _exit(e: BaseException):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m fp4lab.maxtext <base.yml> key=value ... fp4lab.policy=...``: MaxText's
-    pre-training trainer (``maxtext.trainers.pre_train.train``) under the policy. fp4lab's
+    """``python -m fp4lab.integrations.maxtext <base.yml> key=value ... fp4lab.policy=...``:
+    MaxText's pre-training trainer (``maxtext.trainers.pre_train.train``) under the policy. fp4lab's
     refusals, from the command line or from the model's build, exit as one line
     (:func:`is_refusal`)."""
     argv = sys.argv if argv is None else argv

@@ -16,17 +16,16 @@ the blocks (one entry per block, broadcastable against the elements):
   its formats).
 
 The arithmetic is written exactly as docs/numerics.md states it, one float32 operation per
-``fl()``, in the order given there; every division is :func:`fp4lab.rounding.div`, correctly
-rounded on GPUs too (XLA's GPU division is approximate). On XLA:CPU float32 subnormals are
-flushed to zero (inputs and results): values and intermediates below 2**-126 in magnitude
-count as zero. That matters only for tensors or blocks whose amax is below ~1e-35; see the
-notes in ``fp4lab.quantize``. Where an XLA rewrite could change a bit, the code defends it
-(``rounding.div``, ``rounding.opaque``, Q4_0's addition-free rounding): the audit in
-docs/numerics.md lists every site.
+``fl()``, in the order given there; every division is :func:`fp4lab.numerics.rounding.div`,
+correctly rounded on GPUs too (XLA's GPU division is approximate). On XLA:CPU float32 subnormals are
+flushed to zero (inputs and results): values and intermediates below 2**-126 in magnitude count as
+zero. That matters only for tensors or blocks whose amax is below ~1e-35; see the notes in
+``fp4lab.quantize``. Where an XLA rewrite could change a bit, the code defends it (``rounding.div``,
+``rounding.opaque``, Q4_0's addition-free rounding): the audit in docs/numerics.md lists every site.
 """
 
-from fp4lab.scaling import published, standard
-from fp4lab.scaling.published import *  # noqa: F403
-from fp4lab.scaling.standard import *  # noqa: F403
+from fp4lab.numerics.scaling import published, standard
+from fp4lab.numerics.scaling.published import *  # noqa: F403
+from fp4lab.numerics.scaling.standard import *  # noqa: F403
 
 __all__ = standard.__all__ + published.__all__

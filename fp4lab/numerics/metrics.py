@@ -47,10 +47,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4lab import rounding
-from fp4lab.formats import Format
-from fp4lab.geometry import from_blocks, to_blocks
-from fp4lab.quantize import (check_amax_covers, check_arguments, dequantize_blocks,
+from fp4lab.numerics import rounding
+from fp4lab.numerics.formats import Format
+from fp4lab.numerics.geometry import from_blocks, to_blocks
+from fp4lab.numerics.quantize import (check_amax_covers, check_arguments, dequantize_blocks,
                              quantize_blocks, rounded_output)
 
 __all__ = ["quant_metrics", "operand_metrics", "METRIC_NAMES", "error_metrics"]

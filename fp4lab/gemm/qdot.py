@@ -1,7 +1,7 @@
 """Quantized GEMMs for training: ``qdot_general`` and ``qeinsum`` as ``jax.custom_vjp``.
 
 The forward GEMM and the two backward GEMMs each quantize their operands as a
-:class:`~fp4lab.recipe.Recipe` says (see ``fp4lab.recipe`` for the three GEMMs and their
+:class:`~fp4lab.gemm.recipe.Recipe` says (see ``fp4lab.gemm.recipe`` for the three GEMMs and their
 quantization axes), from the high-precision values, and accumulate in float32. Quantized
 operands are dequantized to float32 and multiplied with ``Precision.HIGHEST``: on hardware
 without FP4/FP8 tensor cores this emulates a block-scaled GEMM with FP32 accumulation (the
@@ -15,16 +15,16 @@ dims of W in dgrad, and over the flattened token (free) dims of X in wgrad. ``lh
 activation X and ``rhs`` the weight W.
 
 Features compose around one core custom_vjp, as optax's transformations do: OutControl's
-split of K is two ordinary GEMMs (:func:`fp4lab.outcontrol.split_gemm`), a forward Hadamard
-transform a change of basis outside the custom_vjp (:func:`fp4lab.hadamard.rotate`); only
+split of K is two ordinary GEMMs (:func:`fp4lab.features.outcontrol.split_gemm`), a forward Hadamard
+transform a change of basis outside the custom_vjp (:func:`fp4lab.numerics.hadamard.rotate`); only
 backward semantics (the trust mask, requantizing the forward's operands, QAT's straight-through
 backward, delayed scaling's observed amaxes) live inside it. Operand quantization (keys, signs,
-``quantize_operand``) is :mod:`fp4lab.operand_quant`'s.
+``quantize_operand``) is :mod:`fp4lab.gemm.operand_quant`'s.
 
-The operands are those of :data:`fp4lab.recipe.OPERAND_TABLE` (name, GEMM, role, axis);
-probes (:mod:`fp4lab.probes`) measure them through one hook, and kernels serve their
-quantizers through :mod:`fp4lab.backend`'s table. The tests' oracle is the same GEMMs written
-out with ``fake_quant`` and ``jnp.dot`` (tests/fp4lab/test_qdot.py).
+The operands are those of :data:`fp4lab.gemm.recipe.OPERAND_TABLE` (name, GEMM, role, axis);
+probes (:mod:`fp4lab.features.probes`) measure them through one hook, and kernels serve their
+quantizers through :mod:`fp4lab.numerics.backend`'s table. The tests' oracle is the same GEMMs
+written out with ``fake_quant`` and ``jnp.dot`` (tests/fp4lab/test_qdot.py).
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4lab import backend as _backend
-from fp4lab import canonical
-from fp4lab import saved as _saved
-from fp4lab.canonical import BMK_BKN, BMK_BMN, BMN_BKN
-from fp4lab.einsum import plan_einsum
-from fp4lab.hadamard import rht, rotate
-from fp4lab.operand_quant import AXIS, OperandContext, operand_signs
-from fp4lab.outcontrol import check_channels, split_gemm
-from fp4lab.probes import PROBE_SHAPE, measure
-from fp4lab.quantize import check_key, dequantize, quantize, trust_mask
-from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
-from fp4lab.rounding import abs_max
+from fp4lab.numerics import backend as _backend
+from fp4lab.gemm import canonical
+from fp4lab.gemm import saved as _saved
+from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN
+from fp4lab.gemm.einsum import plan_einsum
+from fp4lab.numerics.hadamard import rht, rotate
+from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_signs
+from fp4lab.features.outcontrol import check_channels, split_gemm
+from fp4lab.features.probes import PROBE_SHAPE, measure
+from fp4lab.numerics.quantize import check_key, dequantize, quantize, trust_mask
+from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
+from fp4lab.numerics.rounding import abs_max
 
 __all__ = ["qdot_general", "qeinsum", "saved_bytes"]
 
@@ -125,7 +125,7 @@ def _observed(x, op: OperandQuant, axis: int, signs) -> jax.Array:
 
 
 def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
-    """The history's "gradient": this step's amaxes in column 0 (see fp4lab.delayed);
+    """The history's "gradient": this step's amaxes in column 0 (see fp4lab.features.delayed);
     ``tensors`` by role (x, w and dy each serve two operands: one amax per tensor and
     transform)."""
     if history is None:
@@ -216,8 +216,8 @@ def _without_forward_transform(recipe: Recipe) -> Recipe:
 def _composed(x, w, recipe: Recipe, out_dtype, backend, key, probe, history, channels,
               dy_dtype=None):
     """The core GEMM with the features that wrap it, outermost first: OutControl's split of
-    K into two GEMMs (:func:`fp4lab.outcontrol.split_gemm`), then a forward Hadamard
-    transform as a change of basis (:func:`fp4lab.hadamard.rotate`). Autodiff carries the
+    K into two GEMMs (:func:`fp4lab.features.outcontrol.split_gemm`), then a forward Hadamard
+    transform as a change of basis (:func:`fp4lab.numerics.hadamard.rotate`). Autodiff carries the
     gradients through both; only backward semantics live inside the custom_vjp."""
     if channels is not None:
         def part(a, b, r, p):
@@ -273,8 +273,9 @@ def check_gemm_state(recipe: Recipe, k: int, *, key, probe, amax_history, channe
         want = (len(OPERANDS), recipe.delayed.history_len)
         if amax_history is None:
             raise ValueError(f"recipe {recipe.name} uses delayed scaling: pass amax_history= "
-                             "(fp4lab.delayed.init_history(recipe.delayed) at the first step, "
-                             "then fp4lab.delayed.update each step; docs/gemms_and_policies.md)")
+                             "(fp4lab.features.delayed.init_history(recipe.delayed) at the first "
+                             "step, then fp4lab.features.delayed.update each step; "
+                             "docs/gemms_and_policies.md)")
         if jnp.shape(amax_history) != want:
             raise ValueError(f"amax_history has shape {jnp.shape(amax_history)}; recipe "
                              f"{recipe.name} needs {want}")
@@ -282,8 +283,8 @@ def check_gemm_state(recipe: Recipe, k: int, *, key, probe, amax_history, channe
     elif amax_history is not None:
         raise ValueError(f"amax_history given, but recipe {recipe.name} has no delayed scaling")
     if probe is not None and jnp.shape(probe) != PROBE_SHAPE:
-        raise ValueError(f"probe has shape {jnp.shape(probe)}; use fp4lab.probes.probe_zeros() "
-                         f"(shape {PROBE_SHAPE})")
+        raise ValueError(f"probe has shape {jnp.shape(probe)}; use "
+                         f"fp4lab.features.probes.probe_zeros() (shape {PROBE_SHAPE})")
     if backend not in _backend.BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
     if channels is not None:
@@ -302,19 +303,20 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
     Args:
       lhs, rhs: the activation-like and the weight-like operand.
       dimension_numbers: as ``lax.dot_general``.
-      recipe: a :class:`~fp4lab.recipe.Recipe` or registry name.
+      recipe: a :class:`~fp4lab.gemm.recipe.Recipe` or registry name.
       key: PRNG key; required when the recipe uses stochastic rounding.
-      probe: ``None``, or :func:`fp4lab.probes.probe_zeros` to measure the numerics of all six GEMM
+      probe: ``None``, or :func:`fp4lab.features.probes.probe_zeros` to measure the numerics of all
+      six GEMM
         operands: its gradient is the metrics table (the output does not depend on it).
       amax_history: for recipes with delayed scaling (``fp8_delayed``): this GEMM's history,
-        ``fp4lab.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
-        step's amaxes for :func:`fp4lab.delayed.update`.
+        ``fp4lab.features.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
+        step's amaxes for :func:`fp4lab.features.delayed.update`.
       channels: for recipes with OutControl (``tetrajet_v2_outcontrol``): the K channels of
-        the reduction axis, outliers first (:func:`fp4lab.outcontrol.channel_order` of
-        their summed :func:`~fp4lab.outcontrol.channel_norms`); the GEMM then splits K as
-        :class:`fp4lab.outcontrol.OutControl` says. ``None``: the recipe without the split.
+        the reduction axis, outliers first (:func:`fp4lab.features.outcontrol.channel_order` of
+        their summed :func:`~fp4lab.features.outcontrol.channel_norms`); the GEMM then splits K as
+        :class:`fp4lab.features.outcontrol.OutControl` says. ``None``: the recipe without the split.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
-        :mod:`fp4lab.backend`); round-to-nearest kernels give the same bits, stochastic
+        :mod:`fp4lab.numerics.backend`); round-to-nearest kernels give the same bits, stochastic
         rounding kernels other (equally unbiased) random bits.
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
@@ -346,7 +348,7 @@ def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=N
     Letters in both inputs and the output are batch dims, letters in both inputs only are
     contracted; ellipses stand for the same dims in every term (no size-1 broadcasting).
     ``precision`` and ``out_sharding`` are accepted so this can serve as a Flax
-    ``einsum_op``; any other keyword is an error (spec rules: :mod:`fp4lab.einsum`)."""
+    ``einsum_op``; any other keyword is an error (spec rules: :mod:`fp4lab.gemm.einsum`)."""
     del precision
     plan = plan_einsum(spec, jnp.shape(a), jnp.shape(b))
     y = qdot_general(a, b, plan.dimension_numbers, recipe, key=key, probe=probe,

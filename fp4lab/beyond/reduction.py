@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4lab.rounding import round_to_bf16
+from fp4lab.numerics.rounding import round_to_bf16
 
 __all__ = ["MODES", "reduce_stacked", "all_reduce", "surviving_fraction"]
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 if TYPE_CHECKING:  # formats imports scaling, which imports this module
-    from fp4lab.formats import ElementFormat
+    from fp4lab.numerics.formats import ElementFormat
 
 __all__ = [
     "float_bits",

@@ -4,7 +4,7 @@ Four Over Six (as Transformer Engine runs it), Quartet's QuEST and Tseng quantiz
 II's RTN and MS-EDEN, TetraJet-v2's double-block NVFP4 and FP4 All the Way's NVFP4. Sums run
 in a fixed order (element order within a block, then block sums in order), the canonical
 order the test oracles use where the authors' kernels leave it to the compiler (Triton's
-tl.sum). The protocol is :class:`fp4lab.scaling.standard.ScaleScheme`'s."""
+tl.sum). The protocol is :class:`fp4lab.numerics.scaling.standard.ScaleScheme`'s."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4lab import rounding
-from fp4lab.scaling.standard import (
+from fp4lab.numerics import rounding
+from fp4lab.numerics.scaling.standard import (
     E4M3_SCALE, F32, FLT_MAX, E8M0Scale, ScaleScheme, _f32_div, group_blocks, nvfp4_encode_factor,
     nvfp4_multiplier)
 
@@ -137,7 +137,7 @@ class QuESTScale(E8M0Scale):
 
     The block scale ``2**e`` is stored as its E8M0 byte (``e`` stays within [-27, 126]);
     values with ``|v| >= 6`` saturate, and Quartet's trust estimator passes the gradient only
-    where ``|v| < 6`` (:func:`fp4lab.quantize.trust_mask`). A constant block has std 0 and
+    where ``|v| < 6`` (:func:`fp4lab.numerics.quantize.trust_mask`). A constant block has std 0 and
     quantizes to ``6 * 2**-27``-sized steps (as the authors' code does); NaN or Inf in a
     block gives the NaN byte (Quartet: NaN values too)."""
 

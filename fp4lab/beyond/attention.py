@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4lab.formats import Format, get_format
-from fp4lab.quantize import dequantize, quantize
-from fp4lab.rounding import round_to_bf16
+from fp4lab.numerics.formats import Format, get_format
+from fp4lab.numerics.quantize import dequantize, quantize
+from fp4lab.numerics.rounding import round_to_bf16
 
 __all__ = ["flash_attention", "stored_output", "ACCUMULATE"]
 

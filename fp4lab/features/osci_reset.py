@@ -16,7 +16,7 @@ every optimizer step ``t`` (the authors' ``global_step - 1``), from ``start`` on
 authors: their RTN double-block NVFP4 along the weight's input axis, ``nvfp4_double``; a Flax
 kernel ``(in, out)`` has it on axis 0). The authors' configs: window 50, threshold 8, period
 200 (400 for 370M), start 8000-35000 steps. Pure functions of explicit state, as
-:mod:`fp4lab.delayed`: :func:`init` and :func:`step` (jit-compatible; ``t`` may be traced).
+:mod:`fp4lab.features.delayed`: :func:`init` and :func:`step` (jit-compatible; ``t`` may be traced).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
-from fp4lab.formats import Format, get_format
-from fp4lab.quantize import fake_quant
+from fp4lab.numerics.formats import Format, get_format
+from fp4lab.numerics.quantize import fake_quant
 
 __all__ = ["OsciReset", "OsciState", "init", "step", "Oscillations"]
 

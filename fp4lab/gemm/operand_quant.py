@@ -13,11 +13,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4lab import backend as _backend
-from fp4lab.delayed import history_amax
-from fp4lab.hadamard import random_signs, rht
-from fp4lab.quantize import dequantize, fake_quant_operand
-from fp4lab.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
+from fp4lab.numerics import backend as _backend
+from fp4lab.features.delayed import history_amax
+from fp4lab.numerics.hadamard import random_signs, rht
+from fp4lab.numerics.quantize import dequantize, fake_quant_operand
+from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
 __all__ = ["AXIS", "OperandContext", "operand_keys", "operand_signs", "quantize_operand"]
 

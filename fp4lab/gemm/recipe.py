@@ -12,7 +12,8 @@ in fprop and with the same spec in dgrad is the same quantized weight (its trans
 QAT recipes (``backward="ste"``) quantize only the forward operands and differentiate straight
 through them: dgrad uses the quantized W, wgrad the quantized X, gradients stay in high
 precision. A recipe with ``delayed=DelayedScaling(...)`` scales its per-tensor operands from
-an amax history instead of their current amax (TE's classic FP8 recipe; ``fp4lab.delayed``).
+an amax history instead of their current amax (TE's classic FP8 recipe;
+``fp4lab.features.delayed``).
 
 Recipes are frozen dataclasses (jit-static); :data:`RECIPES` holds the named ones.
 """
@@ -22,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from fp4lab.delayed import DelayedScaling
-from fp4lab.formats import Format, get_format
-from fp4lab.operands import OPERAND_TABLE, OPERANDS, Operand
-from fp4lab.outcontrol import OutControl
+from fp4lab.features.delayed import DelayedScaling
+from fp4lab.numerics.formats import Format, get_format
+from fp4lab.gemm.operands import OPERAND_TABLE, OPERANDS, Operand
+from fp4lab.features.outcontrol import OutControl
 
 __all__ = ["Operand", "OPERAND_TABLE", "OPERANDS", "OperandQuant", "Recipe",
            "SavedX", "RECIPES", "get_recipe", "recipe_names"]
@@ -36,7 +37,7 @@ class OperandQuant:
     """How one GEMM operand is quantized.
 
     Attributes:
-      format: format name or :class:`~fp4lab.formats.Format` (``"bf16"``: a plain cast).
+      format: format name or :class:`~fp4lab.numerics.formats.Format` (``"bf16"``: a plain cast).
       tile: 2D tile for weights, e.g. ``(16, 16)``; then the operand is quantized once and
         serves every GEMM that uses the same spec.
       rounding: ``"nearest"`` or ``"stochastic"`` (needs a key at call time).
@@ -125,9 +126,10 @@ class Recipe:
     16-entry vector), an int seed for a fixed random one shared by all layers, or
     ``"random"``: one drawn from the GEMM's key at every call, per GEMM (shared by its two
     operands), as Quartet, Quartet II and TetraJet-v2 redraw theirs.
-    ``delayed``: scale the per-tensor operands from an amax history (:mod:`fp4lab.delayed`);
-    the GEMM then needs ``amax_history=``. ``outliers``: TetraJet-v2's OutControl
-    (:class:`OutControl`); the GEMM splits K once it is given ``channels=``.
+    ``delayed``: scale the per-tensor operands from an amax history
+    (:mod:`fp4lab.features.delayed`); the GEMM then needs ``amax_history=``. ``outliers``:
+    TetraJet-v2's OutControl (:class:`OutControl`); the GEMM splits K once it is given
+    ``channels=``.
     """
 
     name: str
@@ -365,7 +367,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         follows="TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training ca5953f): "
                 "double-block NVFP4 (outer float32 scale per 128), RTN forward, RHT16 and "
                 "dithered SR on the four backward operands, W and X requantized from the "
-                "forward's; OsciReset is train.osci_reset (fp4lab.osci_reset); "
+                "forward's; OsciReset is train.osci_reset (fp4lab.features.osci_reset); "
                 "tetrajet_v2_outcontrol adds OutControl"),
     _requantizing(
         "tetrajet_v2_outcontrol", _op("nvfp4_double"),
@@ -373,7 +375,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         follows="TetraJet-v2's 'mix_fp8' configs (thu-ml/TetraJet-v2-NVFP4Training ca5953f, "
                 "linear_mix.py): tetrajet_v2 with OutControl, the 10 % input channels of "
                 "largest accumulated L2 norm in MXFP8 (RCEIL, RTN) in fprop and wgrad, once "
-                "chosen (experiments: train.outcontrol; fp4lab.outcontrol)"),
+                "chosen (experiments: train.outcontrol; fp4lab.features.outcontrol)"),
     Recipe(
         name="fp4_all_the_way",
         fprop_x=_op("nvfp4_atw"), fprop_w=_op("nvfp4_atw"),

@@ -8,12 +8,13 @@ NVFP4. Each layer chooses its channels once, during training::
     steps [start, start + steps)   norms += ||X[:, k]||_2 over the step's tokens, per channel k
     step start + steps             channels = the channel indices by descending summed norm;
                                    from then on the GEMM splits K (``qdot_general(...,
-                                   channels=channels)``; :class:`fp4lab.outcontrol.OutControl`)
+                                   channels=channels)``;
+                                   :class:`fp4lab.features.outcontrol.OutControl`)
 
 The authors' configs: ``start`` 501, ``steps`` 50, 10 % of the channels. Their ranks each add
 the norm of every microbatch they see and sum over ranks at the end; fp4lab adds the norm of
 each step's whole (global) batch, the same statistic up to how the batch is partitioned.
-Pure functions, as :mod:`fp4lab.delayed`: :func:`channel_norms` (what one call adds) and
+Pure functions, as :mod:`fp4lab.features.delayed`: :func:`channel_norms` (what one call adds) and
 :func:`channel_order` (the choice); the training loop keeps the sums. With Linen
 (``quantize_model``): ``apply(..., mutable=["channel_norms"])`` adds each OutControl GEMM's
 norms to that collection, and ``{"outlier_channels": jax.tree.map(channel_order, sums)}``
@@ -32,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
-from fp4lab.formats import Format, get_format
+from fp4lab.numerics.formats import Format, get_format
 
 __all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "split_gemm",
            "OutlierChannels"]
@@ -42,7 +43,7 @@ __all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "sp
 class OutControl:
     """TetraJet-v2's OutControl: a layer's outlier input channels (of K) kept in a higher
     precision, chosen once from the input's accumulated per-channel L2 norms
-    (:mod:`fp4lab.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
+    (:mod:`fp4lab.features.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
 
     With ``channels`` (K indices, most outlying first) the GEMM splits K: the first
     :meth:`count` channels of X and W are quantized in ``format`` (round to nearest, blocks
@@ -52,7 +53,7 @@ class OutControl:
     ``format`` along the tokens, for the outlier channels); dgrad requantizes the forward W
     (both parts) as ``dgrad_w`` says. Without ``channels`` the GEMM is the recipe without
     the split (the authors' layer before its channels are chosen). The split is two ordinary
-    GEMMs, one per part (:meth:`recipes`; :func:`fp4lab.outcontrol.split_gemm`): a
+    GEMMs, one per part (:meth:`recipes`; :func:`fp4lab.features.outcontrol.split_gemm`): a
     per-tensor scale in ``dgrad_w`` would be per part.
 
     ``count(K)``: with ``align=1`` (default), ``round(fraction * K)``, what the paper's
@@ -149,7 +150,7 @@ def check_channels(channels, k: int) -> jax.Array:
     cannot be checked: :func:`channel_order` gives a permutation)."""
     if not jnp.issubdtype(jnp.result_type(channels), jnp.integer):
         raise TypeError(f"channels has dtype {jnp.result_type(channels)}; it is K channel "
-                        "indices (fp4lab.outcontrol.channel_order)")
+                        "indices (fp4lab.features.outcontrol.channel_order)")
     if jnp.shape(channels) != (k,):
         raise ValueError(f"channels has shape {jnp.shape(channels)}; the GEMM's reduction "
                          f"axis has K={k} channels")
@@ -167,9 +168,9 @@ def split_gemm(gemm, x, w, recipe, channels, probe=None):
     ``linear_mix.py``): canonical ``X: (B, M, K)`` and ``W: (B, K, N)`` gathered in
     ``channels`` order and cut after the outliers; ``gemm(x, w, recipe, probe)`` (the
     quantized GEMM, float32 out) on each part under :meth:`OutControl.recipes
-    <fp4lab.outcontrol.OutControl.recipes>`, summed in float32. Autodiff assembles dX and dW;
-    the gather's gradient is the inverse gather, so every element (signed zeros included)
-    comes back as its part's GEMM gave it. ``probe`` measures the rest (the recipe's) part."""
+    <fp4lab.features.outcontrol.OutControl.recipes>`, summed in float32. Autodiff assembles dX and
+    dW; the gather's gradient is the inverse gather, so every element (signed zeros included) comes
+    back as its part's GEMM gave it. ``probe`` measures the rest (the recipe's) part."""
     n = recipe.outliers.count(x.shape[-1])
     rest, outliers = recipe.outliers.recipes(recipe)
     x_hi, x_lo = _split(x, channels, n, 2)

@@ -1,0 +1,3 @@
+"""Precision beyond the GEMM operands (docs/beyond_the_gemms.md): flash-style attention
+with its BF16 rounding points (``attention``), the precision of the data-parallel gradient
+reduction (``reduction``) and the train/inference mismatch of rollouts (``mismatch``)."""
