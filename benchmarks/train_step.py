@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from fp4lab.gemm.qdot import qdot_general
 from fp4lab.gemm.recipe import RECIPES, get_recipe
+from fp4lab import GemmState
 
 DN = (((1,), (0,)), ((), ()))
 DEFAULT = "bf16,fp32,fp8_hybrid,fp8_blockwise,mxfp8,mxfp4,nvfp4,nvfp4_no_rht,nvfp4_no_sr,fp4_qat"
@@ -49,12 +50,12 @@ def make_step(recipe, lr=1e-2, backend="auto"):
         for i, p in enumerate(params):
             k = jax.random.fold_in(key, i)
             u = qdot_general(h.astype(jnp.bfloat16), p["up"].astype(jnp.bfloat16), DN, recipe,
-                             key=jax.random.fold_in(k, 0), preferred_element_type=jnp.float32,
-                             backend=backend)
+                             GemmState(key=jax.random.fold_in(k, 0)),
+                             preferred_element_type=jnp.float32, backend=backend)
             h = h + qdot_general(jax.nn.gelu(u).astype(jnp.bfloat16),
                                  p["down"].astype(jnp.bfloat16), DN, recipe,
-                                 key=jax.random.fold_in(k, 1), preferred_element_type=jnp.float32,
-                                 backend=backend)
+                                 GemmState(key=jax.random.fold_in(k, 1)),
+                                 preferred_element_type=jnp.float32, backend=backend)
         return jnp.mean(jnp.square(h))
 
     chex.clear_trace_counter()  # counts are per code object: start each recipe at zero

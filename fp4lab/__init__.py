@@ -38,6 +38,7 @@ from fp4lab.policy import (
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.numerics.qarray import QArray
 from fp4lab.gemm.qdot import qdot_general, qeinsum
+from fp4lab.gemm.state import GemmState
 from fp4lab.numerics.quantize import dequantize, fake_quant, quantize
 from fp4lab.gemm.recipe import RECIPES, OperandQuant, Recipe, get_recipe, recipe_names
 
@@ -54,7 +55,7 @@ __all__ = [
     # numerics
     "quant_metrics", "probe_zeros", "probe_table",
     # GEMMs and recipes
-    "qdot_general", "qeinsum", "Recipe", "OperandQuant", "RECIPES", "get_recipe",
+    "qdot_general", "qeinsum", "GemmState", "Recipe", "OperandQuant", "RECIPES", "get_recipe",
     "recipe_names",
     # policies
     "PrecisionPolicy", "Rule", "nemotron3", "explain", "get_policy", "load_policy",

@@ -8,7 +8,7 @@ NVFP4. Each layer chooses its channels once, during training::
     steps [start, start + steps)   norms += ||X[:, k]||_2 over the step's tokens, per channel k
     step start + steps             channels = the channel indices by descending summed norm;
                                    from then on the GEMM splits K (``qdot_general(...,
-                                   channels=channels)``;
+                                   GemmState(channels=channels))``;
                                    :class:`fp4lab.features.outcontrol.OutControl`)
 
 The authors' configs: ``start`` 501, ``steps`` 50, 10 % of the channels. Their ranks each add
@@ -43,7 +43,8 @@ __all__ = ["OutControl", "channel_norms", "channel_order", "check_channels", "sp
 class OutControl:
     """TetraJet-v2's OutControl: a layer's outlier input channels (of K) kept in a higher
     precision, chosen once from the input's accumulated per-channel L2 norms
-    (:mod:`fp4lab.features.outcontrol` says how; the GEMM takes the channel order as ``channels=``).
+    (:mod:`fp4lab.features.outcontrol` says how; the GEMM takes the channel order in its
+    state, ``GemmState(channels=)``).
 
     With ``channels`` (K indices, most outlying first) the GEMM splits K: the first
     :meth:`count` channels of X and W are quantized in ``format`` (round to nearest, blocks

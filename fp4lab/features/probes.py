@@ -1,7 +1,7 @@
 """Numerics probes of the six GEMM operands, reached from the quantized GEMM through one hook.
 
-A probe is a zeros array of shape (6 operands, metrics) passed as ``qdot_general(...,
-probe=probe_zeros())``; the GEMM's output does not depend on it, and its "gradient" is the
+A probe is a zeros array of shape (6 operands, metrics) passed in the GEMM's state,
+``qdot_general(..., GemmState(probe=probe_zeros()))``; the GEMM's output does not depend on it, and its "gradient" is the
 numerics of every operand of that step: row ``i`` holds :data:`fp4lab.numerics.metrics.METRIC_NAMES`
 for operand ``OPERANDS[i]`` (the gradient operands measured on the step's real gradients). NaN
 rows are operands the recipe does not quantize (the backward of QAT recipes). The GEMM calls

@@ -23,12 +23,12 @@ from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, no
                                      stack_of)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
                              quantized_call, runs_as_written, trace_abstractly)
-from fp4lab.policy import Assignment, ExplainTable, PrecisionPolicy, check_unused
+from fp4lab.policy import (Assignment, ExplainTable, PrecisionPolicy, check_unused,
+                           param_layers)
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe, get_recipe
 
-__all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "param_layers",
-           "LAYER_TYPES"]
+__all__ = ["QDense", "QDenseGeneral", "QEinsum", "QuantizedLinen", "LAYER_TYPES"]
 
 
 @contextlib.contextmanager
@@ -40,7 +40,7 @@ def _dot_general_hook(module: nn.Module, recipe: Recipe, backend: str = "auto"):
                     out_sharding=None):
         note_weight("/".join(module.scope.path), rhs)
         state = gemm_state(module, recipe, operand_x=lambda: (lhs, dimension_numbers))
-        return qdot_general(lhs, rhs, dimension_numbers, recipe, **state, backend=backend,
+        return qdot_general(lhs, rhs, dimension_numbers, recipe, state, backend=backend,
                             preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
@@ -68,7 +68,7 @@ def _linen_einsum(module: nn.Einsum, recipe: Recipe, inputs, einsum_str=None,
     note_weight("/".join(module.scope.path), kernel)
     state = gemm_state(module, recipe, operand_x=lambda: (
         inputs, plan_einsum(spec, inputs.shape, kernel.shape).dimension_numbers))
-    y = qeinsum(spec, inputs, kernel, recipe, **state, backend=backend,
+    y = qeinsum(spec, inputs, kernel, recipe, state, backend=backend,
                 preferred_element_type=module.preferred_element_type)
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
@@ -126,7 +126,7 @@ class _OpNamer(CallCounter):
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call with its module's key, probe, amax history and OutControl."""
     state = gemm_state(module, recipe, name, lambda: operand_x(op_path, kind, args, kwargs))
-    return quantized_call(op_path, kind, recipe, args, kwargs, **state, backend=backend)
+    return quantized_call(op_path, kind, recipe, args, kwargs, state, backend=backend)
 
 
 def _hooked_call(module, recipe, backend, next_fun, args, kwargs):
@@ -324,20 +324,3 @@ class QuantizedLinen:
         if self.strict if strict is None else strict:
             check_unused(self.policy, [a for a in table if a.recipe is not None], strict=True)
         return table
-
-
-def param_layers(variables) -> list[tuple[str, None]]:
-    """``(path, None)`` for every sub-dict of Linen variables holding a ``kernel`` of rank >= 2
-    (the module types are not in the params: :meth:`QuantizedLinen.layers` finds them)."""
-    params = variables.get("params", variables)
-    out = []
-
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                if "kernel" in v and getattr(v["kernel"], "ndim", 0) >= 2:
-                    out.append(("/".join(prefix + [k]), None))
-                walk(v, prefix + [k])
-
-    walk(params, [])
-    return out

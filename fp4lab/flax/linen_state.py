@@ -19,6 +19,7 @@ from fp4lab.flax.internals import (linen_child, linen_filter_value, linen_lifted
                                    linen_module_stack)
 from fp4lab.features.probes import probe_zeros
 from fp4lab.gemm.recipe import Recipe
+from fp4lab.gemm.state import GemmState
 
 __all__ = ["gemm_state", "stack_of", "lifts_around", "note_weight", "RECORDING", "CREATING",
            "PASSED"]
@@ -240,12 +241,12 @@ def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
 
 
 def gemm_state(module: nn.Module, recipe: Recipe, name: str = "gemm",
-               operand_x=None) -> dict:
+               operand_x=None) -> GemmState:
     """Everything a GEMM site's call takes besides its operands, in one lookup: the
     stochastic-rounding key, the probe, the amax history and OutControl's channels
     (``operand_x()``: the call's ``(X, dimension_numbers)``, read only for OutControl)."""
     channels = None
     if recipe.outliers is not None:
         channels = _linen_channels(module, recipe, *operand_x(), name)
-    return dict(key=_linen_key(module, recipe), probe=_linen_probe(module, name),
-                amax_history=_linen_history(module, recipe, name), channels=channels)
+    return GemmState(key=_linen_key(module, recipe), probe=_linen_probe(module, name),
+                     amax_history=_linen_history(module, recipe, name), channels=channels)

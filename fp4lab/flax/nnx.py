@@ -24,6 +24,7 @@ from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_writt
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe, get_recipe
+from fp4lab.gemm.state import GemmState
 
 __all__ = ["QuantDot", "QuantEinsum", "QuantOp", "QuantKey", "QuantCounter", "QLinear",
            "QLinearGeneral", "QEinsum", "HOOKS", "LAYER_TYPES", "LAYER_CALLS", "AmaxHistory",
@@ -119,7 +120,8 @@ class _QuantizedGemm(nnx.Module):
             raise ValueError(
                 f"recipe {self.recipe.name} has OutControl, whose per-layer channel state the "
                 "NNX integration (and MaxText through it) does not carry: use the Linen "
-                "integration (QuantizedLinen, experiments/) or qdot_general(channels=...)")
+                "integration (QuantizedLinen, experiments/) or qdot_general with "
+                "GemmState(channels=...)")
         self.backend = backend
         key = rngs.quant() if rngs is not None and "quant" in rngs else jax.random.key(seed)
         self.sr_key = QuantKey(jax.random.key_data(key))
@@ -141,11 +143,11 @@ class _QuantizedGemm(nnx.Module):
     def _history(self):
         return self.amax_history[...] if self.recipe.delayed is not None else None
 
-    def _state(self) -> dict:
-        """The SR key, probe and amax history of this call, as the GEMMs take them."""
+    def _state(self) -> GemmState:
+        """The SR key, probe and amax history of this call."""
         probe = getattr(self, "probe", None)
-        return dict(key=self._key(), probe=None if probe is None else probe[...],
-                    amax_history=self._history(), backend=self.backend)
+        return GemmState(key=self._key(), probe=None if probe is None else probe[...],
+                         amax_history=self._history())
 
 
 class QuantDot(_QuantizedGemm):
@@ -153,7 +155,8 @@ class QuantDot(_QuantizedGemm):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
-        return qdot_general(lhs, rhs, dimension_numbers, self.recipe, **self._state(),
+        return qdot_general(lhs, rhs, dimension_numbers, self.recipe, self._state(),
+                            backend=self.backend,
                             preferred_element_type=preferred_element_type,
                             out_sharding=out_sharding)
 
@@ -163,7 +166,7 @@ class QuantEinsum(_QuantizedGemm):
 
     def __call__(self, spec, a, b, precision=None, preferred_element_type=None,
                  out_sharding=None):
-        return qeinsum(spec, a, b, self.recipe, **self._state(),
+        return qeinsum(spec, a, b, self.recipe, self._state(), backend=self.backend,
                        preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
 
@@ -178,7 +181,8 @@ class QuantOp(_QuantizedGemm):
         self.kind, self.path, self.call = kind, path, call or kind
 
     def __call__(self, args, kwargs):
-        return quantized_call(self.path, self.call, self.recipe, args, kwargs, **self._state())
+        return quantized_call(self.path, self.call, self.recipe, args, kwargs, self._state(),
+                              backend=self.backend)
 
 
 class QLinear(nnx.Linear):

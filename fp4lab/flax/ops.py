@@ -178,13 +178,12 @@ def operand_x(op_path: str, kind: str, args, kwargs) -> tuple:
     return lhs, dims
 
 
-def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, *, key=None,
-                   probe=None, amax_history=None, channels=None, backend: str = "auto"):
+def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, state=None, *,
+                   backend: str = "auto"):
     """An intercepted call through ``qeinsum`` / ``qdot_general`` (first operand X, second
-    W); ``op_path`` names it in errors."""
+    W) with the GEMM's ``state`` (a :class:`~fp4lab.gemm.state.GemmState`); ``op_path``
+    names it in errors."""
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
-    common = dict(key=key, probe=probe, amax_history=amax_history, channels=channels,
-                  backend=backend, **kw)
     if kind == "jnp.einsum":
-        return qeinsum(*_einsum_operands(op_path, args), recipe, **common)
-    return qdot_general(*_dot_operands(args, kwargs), recipe, **common)
+        return qeinsum(*_einsum_operands(op_path, args), recipe, state, backend=backend, **kw)
+    return qdot_general(*_dot_operands(args, kwargs), recipe, state, backend=backend, **kw)

@@ -38,17 +38,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4lab.numerics import backend as _backend
 from fp4lab.gemm import canonical
 from fp4lab.gemm import saved as _saved
 from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN
 from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.numerics.hadamard import rht, rotate
 from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_signs
-from fp4lab.features.outcontrol import check_channels, split_gemm
-from fp4lab.features.probes import PROBE_SHAPE, measure
-from fp4lab.numerics.quantize import check_key, dequantize, quantize, trust_mask
-from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe, get_recipe
+from fp4lab.features.outcontrol import split_gemm
+from fp4lab.features.probes import measure
+from fp4lab.gemm.state import GemmState, check_gemm_state
+from fp4lab.numerics.quantize import dequantize, quantize, trust_mask
+from fp4lab.gemm.recipe import OPERAND_TABLE, OperandQuant, Recipe, get_recipe
 from fp4lab.numerics.rounding import abs_max
 
 __all__ = ["qdot_general", "qeinsum", "saved_bytes"]
@@ -213,15 +213,16 @@ def _without_forward_transform(recipe: Recipe) -> Recipe:
     return dataclasses.replace(recipe, **plain)
 
 
-def _composed(x, w, recipe: Recipe, out_dtype, backend, key, probe, history, channels,
-              dy_dtype=None):
+def _composed(x, w, recipe: Recipe, out_dtype, backend, state: GemmState, dy_dtype=None):
     """The core GEMM with the features that wrap it, outermost first: OutControl's split of
     K into two GEMMs (:func:`fp4lab.features.outcontrol.split_gemm`), then a forward Hadamard
-    transform as a change of basis (:func:`fp4lab.numerics.hadamard.rotate`). Autodiff carries the
-    gradients through both; only backward semantics live inside the custom_vjp."""
+    transform as a change of basis (:func:`fp4lab.numerics.hadamard.rotate`). Autodiff carries
+    the gradients through both; only backward semantics live inside the custom_vjp."""
+    key, probe, history, channels = state
     if channels is not None:
         def part(a, b, r, p):
-            return _composed(a, b, r, jnp.float32, backend, key, p, history, None, out_dtype)
+            return _composed(a, b, r, jnp.float32, backend,
+                             GemmState(key, p, history), out_dtype)
         return split_gemm(part, x, w, recipe, channels, probe).astype(out_dtype)
     if recipe.fprop_x.hadamard:
         signs = operand_signs(recipe, key)
@@ -259,65 +260,22 @@ def _check_operand(name, x):
                         f"{jnp.result_type(x)}")
 
 
-def check_gemm_state(recipe: Recipe, k: int, *, key, probe, amax_history, channels, backend):
-    """The per-call state a recipe's GEMM takes (``key``, ``probe``, ``amax_history``,
-    OutControl's ``channels`` for a reduction axis of ``k``, ``backend``), checked: an error
-    names what is missing, misshapen or given to a recipe without the feature. Returns the
-    history as float32 and the channels as int32."""
-    if recipe.needs_key and key is None:
-        raise ValueError(f"recipe {recipe.name} uses stochastic rounding: pass key=... (a "
-                         "jax.random key, or an rng stream in Flax)")
-    if key is not None:
-        check_key(key)
-    if recipe.delayed is not None:
-        want = (len(OPERANDS), recipe.delayed.history_len)
-        if amax_history is None:
-            raise ValueError(f"recipe {recipe.name} uses delayed scaling: pass amax_history= "
-                             "(fp4lab.features.delayed.init_history(recipe.delayed) at the first "
-                             "step, then fp4lab.features.delayed.update each step; "
-                             "docs/gemms_and_policies.md)")
-        if jnp.shape(amax_history) != want:
-            raise ValueError(f"amax_history has shape {jnp.shape(amax_history)}; recipe "
-                             f"{recipe.name} needs {want}")
-        amax_history = jnp.asarray(amax_history, jnp.float32)
-    elif amax_history is not None:
-        raise ValueError(f"amax_history given, but recipe {recipe.name} has no delayed scaling")
-    if probe is not None and jnp.shape(probe) != PROBE_SHAPE:
-        raise ValueError(f"probe has shape {jnp.shape(probe)}; use "
-                         f"fp4lab.features.probes.probe_zeros() (shape {PROBE_SHAPE})")
-    if backend not in _backend.BACKENDS:
-        raise ValueError(f"backend={backend!r}; use one of {', '.join(_backend.BACKENDS)}")
-    if channels is not None:
-        if recipe.outliers is None:
-            raise ValueError(f"channels given, but recipe {recipe.name} has no OutControl")
-        channels = check_channels(channels, k)
-        recipe.outliers.count(k)  # both parts non-empty, else an error here
-    return amax_history, channels
-
-
-def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, key=None,
-                 probe=None, amax_history=None, channels=None, backend: str = "auto",
-                 precision=None, preferred_element_type=None, out_sharding=None):
+def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", state=None, *,
+                 backend: str = "auto", precision=None, preferred_element_type=None,
+                 out_sharding=None):
     """``lax.dot_general`` whose three training GEMMs follow ``recipe``.
 
     Args:
       lhs, rhs: the activation-like and the weight-like operand.
       dimension_numbers: as ``lax.dot_general``.
       recipe: a :class:`~fp4lab.gemm.recipe.Recipe` or registry name.
-      key: PRNG key; required when the recipe uses stochastic rounding.
-      probe: ``None``, or :func:`fp4lab.features.probes.probe_zeros` to measure the numerics of all
-      six GEMM
-        operands: its gradient is the metrics table (the output does not depend on it).
-      amax_history: for recipes with delayed scaling (``fp8_delayed``): this GEMM's history,
-        ``fp4lab.features.delayed.init_history(recipe.delayed)`` at first; its gradient holds the
-        step's amaxes for :func:`fp4lab.features.delayed.update`.
-      channels: for recipes with OutControl (``tetrajet_v2_outcontrol``): the K channels of
-        the reduction axis, outliers first (:func:`fp4lab.features.outcontrol.channel_order` of
-        their summed :func:`~fp4lab.features.outcontrol.channel_norms`); the GEMM then splits K as
-        :class:`fp4lab.features.outcontrol.OutControl` says. ``None``: the recipe without the split.
+      state: the call's :class:`~fp4lab.gemm.state.GemmState` (its stochastic-rounding
+        ``key``, a ``probe``, delayed scaling's ``amax_history``, OutControl's
+        ``channels``), or a PRNG key alone (``GemmState(key=...)``); ``None``: none, which
+        a recipe with stochastic rounding or delayed scaling refuses.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
-        :mod:`fp4lab.numerics.backend`); round-to-nearest kernels give the same bits, stochastic
-        rounding kernels other (equally unbiased) random bits.
+        :mod:`fp4lab.numerics.backend`); round-to-nearest kernels give the same bits,
+        stochastic rounding kernels other (equally unbiased) random bits.
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
       out_sharding: as ``lax.dot_general`` (Flax layers pass it): the output is constrained
@@ -330,29 +288,26 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", *, 
     _check_operand("rhs", rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = canonical.plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    amax_history, channels = check_gemm_state(recipe, plan.bmkn[2], key=key, probe=probe,
-                                              amax_history=amax_history, channels=channels,
-                                              backend=backend)
+    state = check_gemm_state(recipe, plan.bmkn[2], state, backend)
     x, w = canonical.to_canonical(jnp.asarray(lhs), jnp.asarray(rhs), plan)
-    y = _composed(x, w, recipe, out_dtype, backend, key, probe, amax_history, channels)
+    y = _composed(x, w, recipe, out_dtype, backend, state)
     y = y.reshape(plan.out_shape)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
-def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", key=None, *, probe=None,
-            amax_history=None, channels=None, backend: str = "auto",
-            preferred_element_type=None,
-            precision=None, out_sharding=None):
+def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", state=None, *,
+            backend: str = "auto", preferred_element_type=None, precision=None,
+            out_sharding=None):
     """Two-operand ``einsum`` through :func:`qdot_general` (``a`` plays X, ``b`` plays W).
 
-    Letters in both inputs and the output are batch dims, letters in both inputs only are
-    contracted; ellipses stand for the same dims in every term (no size-1 broadcasting).
+    ``state`` as :func:`qdot_general`'s. Letters in both inputs and the output are batch
+    dims, letters in both inputs only are contracted; ellipses stand for the same dims in
+    every term (no size-1 broadcasting).
     ``precision`` and ``out_sharding`` are accepted so this can serve as a Flax
     ``einsum_op``; any other keyword is an error (spec rules: :mod:`fp4lab.gemm.einsum`)."""
     del precision
     plan = plan_einsum(spec, jnp.shape(a), jnp.shape(b))
-    y = qdot_general(a, b, plan.dimension_numbers, recipe, key=key, probe=probe,
-                     amax_history=amax_history, channels=channels, backend=backend,
+    y = qdot_general(a, b, plan.dimension_numbers, recipe, state, backend=backend,
                      preferred_element_type=preferred_element_type)
     y = jnp.transpose(y, plan.out_perm)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

@@ -127,9 +127,9 @@ class Recipe:
     ``"random"``: one drawn from the GEMM's key at every call, per GEMM (shared by its two
     operands), as Quartet, Quartet II and TetraJet-v2 redraw theirs.
     ``delayed``: scale the per-tensor operands from an amax history
-    (:mod:`fp4lab.features.delayed`); the GEMM then needs ``amax_history=``. ``outliers``:
-    TetraJet-v2's OutControl (:class:`OutControl`); the GEMM splits K once it is given
-    ``channels=``.
+    (:mod:`fp4lab.features.delayed`); the GEMM's state then needs its ``amax_history``.
+    ``outliers``: TetraJet-v2's OutControl (:class:`OutControl`); the GEMM splits K once its
+    state has ``channels``.
     """
 
     name: str

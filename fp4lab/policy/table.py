@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from fp4lab.policy.rules import PolicyWarning, PrecisionPolicy
 from fp4lab.gemm.recipe import Recipe
 
-__all__ = ["ExplainTable", "explain", "check_unused"]
+__all__ = ["ExplainTable", "explain", "check_unused", "param_layers"]
 
 
 class ExplainTable(list):
@@ -127,3 +127,22 @@ def explain(policy: PrecisionPolicy, layers, *, num_blocks: int | None = None,
     if strict:
         check_unused(policy, rows, strict=True)
     return ExplainTable(rows, policy, unused)
+
+
+def param_layers(variables) -> list[tuple[str, None]]:
+    """``(path, None)`` for every sub-dict of a parameter tree (Linen variables, with their
+    ``"params"`` or without; an NNX model's pure dict) holding a ``kernel`` of rank >= 2: the
+    linear layers a policy governs, without their kinds (the module types are not in the
+    parameters: ``QuantizedLinen.layers`` and ``fp4lab.flax.linear_layers`` find them)."""
+    params = variables.get("params", variables)
+    out = []
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                if "kernel" in v and getattr(v["kernel"], "ndim", 0) >= 2:
+                    out.append(("/".join(prefix + [k]), None))
+                walk(v, prefix + [k])
+
+    walk(params, [])
+    return out

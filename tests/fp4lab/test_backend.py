@@ -127,7 +127,7 @@ def test_qdot_on_the_kernel_backend():
     g = jax.random.normal(kg, (64, 48))
 
     def run(recipe, be):
-        f = lambda x, w: jnp.sum(qdot_general(x, w, DN, recipe, key=jax.random.key(3),  # noqa
+        f = lambda x, w: jnp.sum(qdot_general(x, w, DN, recipe, jax.random.key(3),  # noqa
                                               backend=be) * g)
         with warnings.catch_warnings():  # on "pallas", every operand has a kernel: no fallback
             warnings.simplefilter("error", backend.KernelFallback)

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_ref as ref
+from oracles import numpy_ref as ref
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -20,6 +20,7 @@ from fp4lab.flax.nnx import AmaxHistory, update_amax_history
 from fp4lab.gemm.qdot import qdot_general
 from fp4lab.gemm.recipe import OPERANDS
 from fp4lab.gemm.recipe import RECIPES, Recipe
+from fp4lab import GemmState
 
 DN = (((1,), (0,)), ((), ()))
 F32 = np.float32
@@ -63,7 +64,8 @@ def test_each_step_is_scaled_from_the_previous_steps(scaling):
 
     @jax.jit
     def step(x, w, g, h):
-        y, vjp = jax.vjp(lambda a, b, c: qdot_general(a, b, DN, recipe, amax_history=c,
+        y, vjp = jax.vjp(lambda a, b, c: qdot_general(a, b, DN, recipe,
+                                                      GemmState(amax_history=c),
                                                       preferred_element_type=jnp.float32),
                          x, w, h)
         dx, dw, dh = vjp(g)
@@ -93,7 +95,8 @@ def test_forward_operand_equals_fake_quant_with_the_history_amax():
     r = RECIPES["fp8_delayed"]
     x, w, _ = steps_data(1)[0]
     hist = delayed.init_history(r.delayed).at[0, 5].set(3.0).at[1, 0].set(0.25)
-    y = qdot_general(x, w, DN, r, amax_history=hist, preferred_element_type=jnp.float32)
+    y = qdot_general(x, w, DN, r, GemmState(amax_history=hist),
+                     preferred_element_type=jnp.float32)
     # under jit: the history's amax may lie below the tensor's (eagerly that is refused)
     lagging = jax.jit(lambda t, a: fp4lab.fake_quant(t, "fp8_e4m3", global_amax=a))
     xq = lagging(jnp.asarray(x), F32(3.0))
@@ -104,12 +107,12 @@ def test_forward_operand_equals_fake_quant_with_the_history_amax():
 
 def test_history_is_required_and_checked():
     x, w, _ = steps_data(1)[0]
-    with pytest.raises(ValueError, match="fp8_delayed uses delayed scaling: pass amax_history"):
+    with pytest.raises(ValueError, match="fp8_delayed uses delayed scaling: pass its amax_history"):
         qdot_general(x, w, DN, "fp8_delayed")
     with pytest.raises(ValueError, match=r"amax_history has shape \(6, 3\).*\(6, 1024\)"):
-        qdot_general(x, w, DN, "fp8_delayed", amax_history=jnp.zeros((6, 3)))
+        qdot_general(x, w, DN, "fp8_delayed", GemmState(amax_history=jnp.zeros((6, 3))))
     with pytest.raises(ValueError, match="has no delayed scaling"):
-        qdot_general(x, w, DN, "fp8_hybrid", amax_history=jnp.zeros((6, 3)))
+        qdot_general(x, w, DN, "fp8_hybrid", GemmState(amax_history=jnp.zeros((6, 3))))
     with pytest.raises(ValueError, match="amax_compute_algo"):
         DelayedScaling(amax_compute_algo="mean")
     with pytest.raises(ValueError, match="per-tensor operand"):
@@ -174,7 +177,8 @@ def test_probes_show_the_scale_lag_as_saturation():
         jnp.asarray([np.abs(x).max() / 8, np.abs(w).max(), 1, 1, 1, 1], jnp.float32))
 
     def saturation(recipe, h):
-        f = lambda p: jnp.sum(qdot_general(x, w, DN, recipe, amax_history=h, probe=p))  # noqa
+        f = lambda p: jnp.sum(qdot_general(x, w, DN, recipe,  # noqa: E731
+                                           GemmState(probe=p, amax_history=h)))
         return probe_table(jax.grad(f)(probe_zeros()))["fprop_x"]["saturation"]
 
     assert saturation(r, hist) > 0.05

@@ -14,6 +14,7 @@ from fp4lab.flax import linen as qlinen
 from fp4lab.flax import nnx as qnnx
 import fp4lab
 from fp4lab.policy import PrecisionPolicy, Rule
+from fp4lab import GemmState
 
 HI = jax.lax.Precision.HIGHEST
 POLICY = PrecisionPolicy(rules=(Rule(recipe="bf16", pattern="layers_1"),
@@ -312,7 +313,7 @@ class LinenEinsumMLP(nn.Module):  # written without fp4lab: a Dense and an Einsu
 def test_linen_outcontrol_collections():
     """OutControl through QuantizedLinen: a mutable "channel_norms" collection sums each
     GEMM's per-channel input norms (K flattened, in order: the Einsum's 4 x 16), an
-    "outlier_channels" collection splits the GEMMs as qdot_general(channels=) does, and
+    "outlier_channels" collection splits the GEMMs as GemmState(channels=) does, and
     neither leaves the recipe without the split, which is tetrajet_v2's."""
     model = LinenEinsumMLP()
     x = jax.random.normal(jax.random.key(0), (2, 8, 32)) * jnp.linspace(0.1, 4, 32)
@@ -336,8 +337,9 @@ def test_linen_outcontrol_collections():
     # the Dense layer, by hand: its GEMM with the channels, plus its bias
     p = params["params"]["up"]
     want = fp4lab.qdot_general(x, p["kernel"], (((2,), (0,)), ((), ())),
-                               "tetrajet_v2_outcontrol", key=jax.random.key(5),
-                               channels=order["up"]["gemm"]) + p["bias"]
+                               "tetrajet_v2_outcontrol",
+                               GemmState(key=jax.random.key(5), channels=order["up"]["gemm"])
+                               ) + p["bias"]
     up_split = quantize_model(nn.Dense(64), "all:tetrajet_v2_outcontrol").apply(
         {"params": p, "outlier_channels": {"gemm": order["up"]["gemm"]}}, x,
         rngs={"quant": jax.random.key(5)})

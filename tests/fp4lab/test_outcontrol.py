@@ -1,12 +1,12 @@
 """TetraJet-v2's OutControl (fp4lab/features/outcontrol.py, Recipe.outliers, qdot_general's
 channels=) against the authors' code, thu-ml/TetraJet-v2-NVFP4Training @
-ca5953f643d85c793fb3a210bf21f17fc88ce83e, ported into tests/recipe_oracles.py:
+ca5953f643d85c793fb3a210bf21f17fc88ce83e, ported into tests/oracles/papers.py:
 
 * kernels/csrc/quant_fp8.cu (MXFP8: amax/448 rounded up to a power of two by
   cvt.rp.satfinite.ue8m0, E4M3 RNE satfinite) = fp4lab's ``mxfp8``, bit for bit;
 * olmo2-training/olmo/quantization_real/linear_mix.py (the mixed NVFP4/MXFP8 layer: K split
   by the chosen channels in their order, dgrad from the rebuilt forward W, wgrad split by
-  rows) = qdot_general(..., channels=) with the split recipe;
+  rows) = qdot_general(..., GemmState(channels=)) with the split recipe;
 * calibrate.py / linear_mix.py's channel choice (sum of per-step L2 norms, argsort
   descending) = fp4lab.features.outcontrol.channel_norms / channel_order.
 """
@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import recipe_oracles as ro
+from oracles import papers as ro
 
 from fp4lab.features import outcontrol
 from fp4lab.features.probes import probe_zeros
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.numerics.quantize import fake_quant
 from fp4lab.gemm.recipe import OperandQuant, OutControl, Recipe, get_recipe
+from fp4lab import GemmState
 
 F32 = np.float32
 FTZ = jax.default_backend() == "cpu"  # XLA:CPU flushes float32 subnormals
@@ -158,7 +159,8 @@ def _channels(x):
 
 
 def _vjp(recipe, x, w, dy, channels, key=None):
-    y, pull = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe, key=key, channels=channels),
+    y, pull = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe,
+                                                GemmState(key=key, channels=channels)),
                       jnp.asarray(x), jnp.asarray(w))
     return (y, *pull(jnp.asarray(dy)))
 
@@ -220,11 +222,11 @@ def test_einsum_and_probes_with_channels():
     ch = _channels(x)
     assert (outcontrol.channel_norms(x3, (((1, 2), (0, 1)), ((), ())))
             == outcontrol.channel_norms(jnp.asarray(x), DN)).all()
-    a = qeinsum("mhk,hkn->mn", x3, w3, RTN, channels=ch)
-    b = qdot_general(jnp.asarray(x), jnp.asarray(w), DN, RTN, channels=ch)
+    a = qeinsum("mhk,hkn->mn", x3, w3, RTN, GemmState(channels=ch))
+    b = qdot_general(jnp.asarray(x), jnp.asarray(w), DN, RTN, GemmState(channels=ch))
     assert_bits(a, b, "qeinsum")
-    grads = jax.grad(lambda p: qdot_general(jnp.asarray(x), jnp.asarray(w), DN, RTN, probe=p,
-                                            channels=ch).sum())(probe_zeros())
+    grads = jax.grad(lambda p: qdot_general(jnp.asarray(x), jnp.asarray(w), DN, RTN,
+                                            GemmState(probe=p, channels=ch)).sum())(probe_zeros())
     assert np.isfinite(np.asarray(grads)[:, 0]).all()
 
 
@@ -269,17 +271,17 @@ def test_errors_name_the_value():
     x, w = jnp.ones((4, 64)), jnp.ones((64, 8))
     with pytest.raises(ValueError, match=r"lacks \[1\]"):
         qdot_general(x, w, DN, dataclasses.replace(RTN, outliers=OutControl()),
-                     channels=jnp.arange(64).at[1].set(0))
+                     GemmState(channels=jnp.arange(64).at[1].set(0)))
     with pytest.raises(ValueError, match="K=4"):
         OutControl().count(4)  # round(0.4) = 0 outlier channels
     with pytest.raises(ValueError, match="no OutControl"):
-        qdot_general(x, w, DN, "nvfp4_no_sr", channels=jnp.arange(64))
+        qdot_general(x, w, DN, "nvfp4_no_sr", GemmState(channels=jnp.arange(64)))
     with pytest.raises(ValueError, match=r"shape \(32,\)"):
         qdot_general(x, w, DN, dataclasses.replace(RTN, outliers=OutControl()),
-                     channels=jnp.arange(32))
+                     GemmState(channels=jnp.arange(32)))
     with pytest.raises(TypeError, match="float32"):
         qdot_general(x, w, DN, dataclasses.replace(RTN, outliers=OutControl()),
-                     channels=jnp.arange(64.0))
+                     GemmState(channels=jnp.arange(64.0)))
     with pytest.raises(ValueError, match="OutControl splits"):
         dataclasses.replace(get_recipe("tetrajet_v2_outcontrol"),
                             fprop_x=OperandQuant(format="nvfp4_double", hadamard=16),

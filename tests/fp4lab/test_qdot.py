@@ -12,6 +12,7 @@ import fp4lab
 from fp4lab.numerics.hadamard import hadamard_matrix, rht, rht_matrix
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import RECIPES, OperandQuant, get_recipe
+from fp4lab import GemmState
 
 HI = jax.lax.Precision.HIGHEST
 DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N)
@@ -155,7 +156,8 @@ def assert_equal_up_to_sum_order(a, b):
 
 def run(x, w, g, recipe, key):
     h = history_for(recipe)
-    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe, key=key, amax_history=h,
+    y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, DN, recipe,
+                                               GemmState(key=key, amax_history=h),
                                                preferred_element_type=jnp.float32), x, w)
     dx, dw = vjp(g.astype(jnp.float32))
     return y, dx, dw
@@ -299,7 +301,7 @@ def test_bad_inputs():
     x, w, _ = data()
     with pytest.raises(ValueError, match="unknown recipe 'nvfp5'.*nvfp4"):
         qdot_general(x, w, DN, "nvfp5")
-    with pytest.raises(ValueError, match="recipe nvfp4 uses stochastic rounding: pass key"):
+    with pytest.raises(ValueError, match="recipe nvfp4 uses stochastic rounding: pass a key"):
         qdot_general(x, w, DN, "nvfp4")
     with pytest.raises(TypeError, match="lhs has dtype int32"):
         qdot_general(jnp.ones((4, 64), jnp.int32), w, DN, "bf16")
@@ -316,7 +318,7 @@ def test_bad_inputs():
         with pytest.raises(TypeError, match="unexpected keyword argument"):
             qeinsum("md,df->mf", x, w, "bf16", **bad)
     with pytest.raises(TypeError, match="key=1 is not a PRNG key"):
-        qdot_general(x, w, DN, "nvfp4", key=1)
+        qdot_general(x, w, DN, "nvfp4", GemmState(key=1))
     # what Flax layers pass is accepted
     y = qdot_general(x, w, DN, "bf16", precision=None, preferred_element_type=jnp.float32,
                      out_sharding=None)
@@ -446,7 +448,7 @@ def test_probes_report_known_underflow_of_every_operand():
     dy = jnp.asarray(blockish)  # dgrad dY blocks run along N = axis 1
 
     def loss(x, w, probe):
-        return jnp.sum(qdot_general(x, w, DN, "mxfp8", probe=probe) * dy)
+        return jnp.sum(qdot_general(x, w, DN, "mxfp8", GemmState(probe=probe)) * dy)
 
     gp = jax.grad(loss, argnums=2)(x, w, probe_zeros())
     t = probe_table(gp)
@@ -469,16 +471,16 @@ def test_probes_of_qat_backward_are_nan_and_bf16_is_exact_for_bf16_inputs():
     from fp4lab.features.probes import probe_table, probe_zeros
 
     x, w, g = data()
-    loss = lambda p, r: jnp.sum(qdot_general(x, w, DN, r, probe=p) * g)  # noqa: E731
+    loss = lambda p, r: jnp.sum(qdot_general(x, w, DN, r, GemmState(probe=p)) * g)  # noqa: E731
     t = probe_table(jax.grad(loss)(probe_zeros(), "fp4_qat"))
     assert all(np.isnan(v) for op in ("dgrad_dy", "wgrad_dy") for v in t[op].values())
     assert t["fprop_w"]["rel_mse"] > 0
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    tb = probe_table(jax.grad(lambda p: jnp.sum(qdot_general(xb, wb, DN, "bf16", probe=p)))(
-        probe_zeros()))
+    tb = probe_table(jax.grad(lambda p: jnp.sum(qdot_general(xb, wb, DN, "bf16",
+                                                             GemmState(probe=p))))(probe_zeros()))
     assert tb["fprop_x"]["rel_mse"] == 0 and tb["fprop_x"]["underflow"] == 0
     with pytest.raises(ValueError, match="probe has shape"):
-        qdot_general(x, w, DN, "bf16", probe=jnp.zeros(3))
+        qdot_general(x, w, DN, "bf16", GemmState(probe=jnp.zeros(3)))
 
 
 def _op_counts(fn, *args):
@@ -498,7 +500,7 @@ def test_a_constant_cotangent_is_quantized_at_run_time():
     key = jax.random.key(3)
 
     def y(x, w):
-        return qdot_general(x, w, DN, "nvfp4", key=key)
+        return qdot_general(x, w, DN, "nvfp4", GemmState(key=key))
 
     def by_sum(x, w):
         return jax.grad(lambda x, w: y(x, w).sum(), argnums=(0, 1))(x, w)

@@ -14,6 +14,7 @@ from fp4lab.numerics.metrics import METRIC_NAMES
 from fp4lab.flax.nnx import LAYER_CALLS, register_layer
 from fp4lab.policy import Depth, PrecisionPolicy, Rule, nemotron3
 from fp4lab.gemm.qdot import qdot_general
+from fp4lab import GemmState
 
 L, D = 3, 32
 DIMS = (((1,), (0,)), ((), ()))
@@ -222,7 +223,8 @@ def test_probes_of_stacked_blocks_are_each_blocks_own_numerics():
     assert sorted(records) == [f"blocks/{n}[{i}]" for n in ("down", "up") for i in range(L)]
 
     def measured(a, w):  # one GEMM's forward operands, measured by hand
-        probe = jax.grad(lambda p: jnp.sum(qdot_general(a, w, DIMS, "nvfp4_no_sr", probe=p)))
+        probe = jax.grad(lambda p: jnp.sum(qdot_general(a, w, DIMS, "nvfp4_no_sr",
+                                                        GemmState(probe=p))))
         table = probe_table(probe(probe_zeros()))
         return {op: table[op] for op in ("fprop_x", "fprop_w")}
 

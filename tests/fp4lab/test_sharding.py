@@ -12,6 +12,7 @@ from hlo import collectives, moving, scalar
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp4lab.gemm.qdot import qdot_general
+from fp4lab import GemmState
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -25,7 +26,7 @@ def compiled(recipe, k, x_spec, w_spec):
     w = jax.ShapeDtypeStruct((k, 256), jnp.bfloat16, sharding=NamedSharding(mesh, w_spec))
 
     def loss(x, w):
-        y = qdot_general(x, w, DIMS, recipe, key=jax.random.key(0))
+        y = qdot_general(x, w, DIMS, recipe, GemmState(key=jax.random.key(0)))
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     return collectives(jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text())
