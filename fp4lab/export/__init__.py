@@ -66,7 +66,7 @@ from fp4lab.export import ggml, modelopt, mxfp4, nvfp4
 from fp4lab.export.blocks import tensor_name
 from fp4lab.export.safetensors_files import load_safetensors_dir, model_config, read_safetensors
 from fp4lab.export.weights import quantized_weights
-from fp4lab.policy import PrecisionPolicy, get_policy
+from fp4lab.policy import get_policy
 from fp4lab.numerics.qarray import QArray
 
 __all__ = ["LAYOUTS", "LAYOUT_TABLE", "Layout", "quantized_weights", "save", "export", "load",
@@ -177,8 +177,7 @@ def export(params, how, path, layout: str, *, compute_dtype=None,
     _out_path(path, layout)  # a wrong path fails before the work
     weights = quantized_weights(params, how, compute_dtype=compute_dtype,
                                 num_blocks=num_blocks, contracting=contracting)
-    policy = how.policy if isinstance(how, ExplainTable) else get_policy(
-        how if how is not None else _record_policy(params))
+    policy = how.policy if isinstance(how, ExplainTable) else get_policy(how)
     try:
         recorded = policy_to_dict(policy)
     except ValueError:  # a recipe outside the registry: its layers' assignment, as text
@@ -186,12 +185,6 @@ def export(params, how, path, layout: str, *, compute_dtype=None,
             policy, [p.rpartition("/")[0] for p in weights if p.endswith("/kernel")]))}
     meta = {"policy": recorded, **(save_kw.pop("metadata", None) or {})}
     return save(weights, path, layout, metadata=meta, **save_kw)
-
-
-def _record_policy(model) -> PrecisionPolicy:
-    from fp4lab.flax import assignments
-
-    return assignments(model).policy
 
 
 def load(path) -> dict[str, QArray | np.ndarray]:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.export.blocks import F32, blocks, qarray
-from fp4lab.policy import get_policy
+from fp4lab.policy import get_policy, param_layers
 from fp4lab.numerics.qarray import QArray
 from fp4lab.numerics.quantize import quantize
 
@@ -18,26 +18,24 @@ from fp4lab.numerics.quantize import quantize
 GGML_FORMATS = ("int4_q4_0", "int8_q8_0")
 
 
-def _flat_params(params) -> tuple[dict[str, np.ndarray], dict[str, str | None]]:
-    """``{path: array}`` of every parameter and ``{layer path: kind}`` of the linear layers,
-    from Linen variables (a dict, ``{"params": ...}`` or not) or an NNX model."""
-    from flax import nnx
-
-    from fp4lab.flax import linear_layers
-
-    if isinstance(params, nnx.Module):
-        layers = dict(linear_layers(params))
-        tree = nnx.to_pure_dict(nnx.state(params, nnx.Param))
-    else:
-        tree = params.get("params", params) if isinstance(params, Mapping) else params
-        layers = dict(linear_layers(dict(tree)))
+def _flat_params(params, layers) -> tuple[dict[str, np.ndarray], dict[str, str | None]]:
+    """``{path: array}`` of every parameter and ``{layer path: kind}`` of the linear layers
+    (``layers``, or every sub-dict with a ``kernel`` of rank >= 2, kind unknown), from a
+    parameter tree (Linen variables, ``{"params": ...}`` or not; an NNX model's pure dict)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params is a {type(params).__name__}, not a parameter tree (a dict "
+                        "of arrays); an NNX model exports through "
+                        "fp4lab.flax.quantized_weights(model, ...)")
+    tree = params.get("params", params)
+    layers = dict(param_layers(dict(tree)) if layers is None else layers)
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         flat[jax.tree_util.keystr(path, simple=True, separator="/")] = leaf
     return flat, layers
 
 
-def quantized_weights(params, how=None, *, compute_dtype=None, num_blocks: int | None = None,
+def quantized_weights(params, how, *, layers: Mapping[str, str | None] | None = None,
+                      compute_dtype=None, num_blocks: int | None = None,
                       contracting: Mapping[str, int] | None = None
                       ) -> dict[str, QArray | jax.Array]:
     """Every parameter as the forward pass uses it, keyed by path (``"blocks_0/mlp/up/
@@ -51,21 +49,23 @@ def quantized_weights(params, how=None, *, compute_dtype=None, num_blocks: int |
     returned as it is. GGML formats' blocks whose float16 scale is zero hold GGML's own codes
     (:func:`_ggml_reference`).
 
+    ``params`` is a parameter tree (Linen variables; an NNX model goes through
+    ``fp4lab.flax.quantized_weights``, which passes its pure dict, its layers and its record).
     ``how`` says what each layer's forward pass did, best from the quantized model's own
-    record: ``QuantizedLinen.assignments(variables, x)`` (Linen), or nothing for an NNX model
-    quantized by ``quantize_model`` (its record, :func:`fp4lab.flax.assignments`); each
-    layer's recipe and the dtype its kernel had at the GEMM come from there. It may also be a
-    policy (anything :func:`fp4lab.policy.get_policy` reads), resolved over the parameter
-    paths; a policy whose rules name a layer kind is refused for Linen variables, which do
-    not say their layers' kinds. ``compute_dtype``: the dtype every kernel is cast to before
+    record: ``QuantizedLinen.assignments(variables, x)`` (Linen) or
+    ``fp4lab.flax.assignments(model)`` (NNX); each layer's recipe and the dtype its kernel
+    had at the GEMM come from there. It may also be a policy (anything
+    :func:`fp4lab.policy.get_policy` reads), resolved over ``layers`` (``{path: kind}``;
+    default: every sub-dict with a ``kernel`` of rank >= 2, kind unknown); a policy whose
+    rules name a layer kind is refused where the layers' kinds are unknown. ``compute_dtype``: the dtype every kernel is cast to before
     quantizing, overriding the record (without a record: the parameters' own dtype).
     ``contracting``: ``{layer path: n}``, the number of leading kernel axes a layer
     contracts, for kernels of rank >= 3 without a bias to read it from."""
-    flat, layers = _flat_params(params)
+    flat, layers = _flat_params(params, layers)
     if not any(f"{layer}/kernel" in flat for layer in layers):
         raise ValueError(f"found no linear layer in the parameters (a 'kernel' of rank >= 2 "
                          f"under a layer's path); paths seen: {sorted(flat)[:5]}")
-    assigned = _assignments(params, how, layers, num_blocks)
+    assigned = _assignments(how, layers, num_blocks)
     out = {}
     for path, value in flat.items():
         layer, _, leaf = path.rpartition("/")
@@ -78,15 +78,15 @@ def quantized_weights(params, how=None, *, compute_dtype=None, num_blocks: int |
     return out
 
 
-def _assignments(params, how, layers: dict, num_blocks) -> dict:
-    """``{layer path: Assignment}``: the model's record (``how``, or an NNX model's own), or
-    ``how`` as a policy resolved over ``layers`` (``{path: kind}``)."""
+def _assignments(how, layers: dict, num_blocks) -> dict:
+    """``{layer path: Assignment}``: the model's record (``how``), or ``how`` as a policy
+    resolved over ``layers`` (``{path: kind}``)."""
     from fp4lab.policy import Assignment
 
     if how is None:
-        from fp4lab.flax import assignments
-
-        how = assignments(params)  # an NNX model's record, or a clear error
+        raise ValueError("say how the forward pass quantized each layer: the model's record "
+                         "(QuantizedLinen.assignments(variables, x), "
+                         "fp4lab.flax.assignments(model)) or a policy")
     if isinstance(how, (list, tuple)) and all(isinstance(a, Assignment) for a in how):
         return {a.path: a for a in how}
     policy = get_policy(how)

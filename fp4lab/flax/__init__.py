@@ -52,18 +52,18 @@ import jax
 from flax import linen as nn
 from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's submodule
 
-from fp4lab.flax import linen as _linen
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
 from fp4lab.flax.ops import NONE_FOUND
 from fp4lab.flax.nnx import (OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp,
                              probe_records)
-from fp4lab.policy import OP_KINDS, ExplainTable, PrecisionPolicy, check_unused, get_policy
+from fp4lab.policy import (OP_KINDS, ExplainTable, PrecisionPolicy, check_unused, get_policy,
+                           param_layers)
 from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
-           "explain", "assignments", "probe_records"]
+           "explain", "assignments", "probe_records", "quantized_weights"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:
@@ -72,7 +72,7 @@ def linear_layers(model) -> list[tuple[str, str | None]]:
     ``quantize_model`` quantized inside a module (kind ``jnp.einsum`` / ``lax.dot_general``);
     for Linen variables every sub-dict holding a ``kernel`` of rank >= 2, with kind ``None``."""
     if not isinstance(model, flax_nnx.Module):
-        return _linen.param_layers(model)
+        return param_layers(model)
     out = []
     for path, m in flax_nnx.iter_modules(model):
         name = "/".join(map(str, path))
@@ -230,6 +230,20 @@ def assignments(model) -> ExplainTable:
         raise ValueError(f"{type(model).__name__} was not quantized by "
                          "fp4lab.flax.quantize_model")
     return ExplainTable(record.rows, record.policy, list(record.unused))
+
+
+def quantized_weights(model, how=None, **kwargs) -> dict:
+    """:func:`fp4lab.export.quantized_weights` of an NNX model: its parameters as a pure dict,
+    its layers with their kinds (:func:`linear_layers`), and as ``how`` by default the record
+    :func:`quantize_model` left on it (:func:`assignments`); ``kwargs`` as there."""
+    from fp4lab.export import quantized_weights as export_weights
+
+    if not isinstance(model, flax_nnx.Module):
+        raise TypeError(f"model is a {type(model).__name__}, not an NNX module; Linen "
+                        "variables go to fp4lab.export.quantized_weights(variables, how)")
+    params = flax_nnx.to_pure_dict(flax_nnx.state(model, flax_nnx.Param))
+    return export_weights(params, assignments(model) if how is None else how,
+                          layers=dict(linear_layers(model)), **kwargs)
 
 
 class _Gemm(NamedTuple):

@@ -136,12 +136,14 @@ def test_every_layout_loads_back_to_the_same_weights(tmp_path, recipe, layout):
 def test_an_nnx_model_exports_by_its_layer_paths(tmp_path):
     from flax import nnx
 
+    from fp4lab.flax import quantized_weights
+
     class Net(nnx.Module):
         def __init__(self, rngs):
             self.layers = nnx.List([nnx.Linear(64, 64, use_bias=False, rngs=rngs)
                                     for _ in range(2)])
 
-    w = export.quantized_weights(Net(nnx.Rngs(0)), "q4_0_qat")
+    w = quantized_weights(Net(nnx.Rngs(0)), "q4_0_qat")
     assert set(w) == {"layers/0/kernel", "layers/1/kernel"}
     assert all(isinstance(v, fp4lab.QArray) for v in w.values())
     back = export.load(export.save(w, tmp_path / "n.gguf", "gguf"))
@@ -524,16 +526,18 @@ def test_export_takes_each_layer_from_the_models_record():
 def test_an_nnx_model_exports_from_its_own_record():
     from flax import nnx
 
-    from fp4lab.flax import quantize_model
+    from fp4lab.flax import quantize_model, quantized_weights
 
     model = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 64,
                                                                             rngs=nnx.Rngs(1)))
     quantize_model(model, "all:q8_0_qat")
-    weights = export.quantized_weights(model)
+    weights = quantized_weights(model)
     assert {p for p, v in weights.items() if isinstance(v, fp4lab.QArray)} == {
         "layers/0/kernel", "layers/1/kernel"}
     with pytest.raises(ValueError, match="not quantized by"):
-        export.quantized_weights(nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0))))
+        quantized_weights(nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0))))
+    with pytest.raises(TypeError, match="NNX model exports through fp4lab.flax"):
+        export.quantized_weights(model, "all:q8_0_qat")  # the library takes pure data
 
 
 def test_stock_attention_kernels_export_as_their_qat_forward_multiplies(tmp_path):
