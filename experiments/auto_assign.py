@@ -26,8 +26,8 @@ import math
 import re
 from pathlib import Path
 
-from experiments.cli import command
-from experiments.probes import layer_order
+from experiments.commands import command
+from experiments.probe_records import layer_order
 from experiments.train import train
 from fp4lab.policy import PrecisionPolicy, Rule, explain, save_policy
 from fp4lab.gemm.recipe import OPERANDS

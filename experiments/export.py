@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import engines, hf_nemotron_h, policies
-from experiments.cli import command
+from experiments.commands import command
 from experiments.model import HybridLM
 from experiments.rollout import token_log_probs
 from experiments.runs import load_run, validation_tokens
@@ -45,16 +47,94 @@ from fp4lab.flax import quantize_model
 from fp4lab.policy import policy_to_dict
 
 __all__ = ["export_run", "ptq_note", "validation_logits", "validation_loss", "with_weights",
-           "main", "GGUF_ARCHS"]
+           "main", "GGUF_ARCHS", "SERVED", "SERVED_LAYOUTS", "Served"]
 
 GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
-# what the command writes: llama.cpp's nemotron_h GGUF; NemotronHForCausalLM folders in BF16,
-# compressed-tensors NVFP4 or ModelOpt NVFP4; mxfp4 is refused (NO_DENSE_MXFP4)
-SERVED_LAYOUTS = ("gguf", "bf16", "nvfp4", "nvfp4_modelopt", "mxfp4")
 NO_DENSE_MXFP4 = (
     "layout 'mxfp4' (gpt-oss's MXFP4 safetensors): transformers and vLLM load MXFP4 only for "
     "MoE expert stacks, and the hybrid LM has none, so no engine would run this folder; for "
     "MXFP4 weights use --layout gguf (llama.cpp's MXFP4 type)")
+
+
+@dataclasses.dataclass
+class _Target:
+    """One export being written: the run, its model config, the output, the policy it is
+    written under, the GGUF architecture and the metadata every layout records."""
+
+    run: object
+    cfg: object
+    out: object
+    policy: str
+    gguf_arch: str
+
+    @property
+    def meta(self) -> dict:
+        return {"run": self.run.workdir.name, "policy_name": self.policy,
+                "seed": self.run.config.seed}
+
+    @property
+    def hf_kw(self) -> dict:
+        return dict(max_positions=self.run.config.data.seq_len, metadata=self.meta)
+
+    @functools.cached_property
+    def record(self):
+        """The quantized model's record of its forward pass under the policy."""
+        model = quantize_model(HybridLM(self.cfg), policies.without_outcontrol(
+            policies.get(self.policy), "experiments.export"))
+        inputs, _ = validation_tokens(self.run.config, self.run.data, 1)
+        return model.assignments({"params": self.run.params}, inputs,
+                                 rngs={"quant": jax.random.key(0)})
+
+
+def _check_gguf(t: _Target) -> None:
+    if t.gguf_arch != "fp4lab":
+        engines.check_nemotron_h(t.cfg)
+
+
+def _check_hf(t: _Target) -> None:
+    hf_nemotron_h.check_expressible(t.cfg)
+    hf_nemotron_h.check_output(t.out)  # a wrong path fails before the work
+
+
+def _write_gguf(t: _Target, layout: str):
+    if t.gguf_arch == "fp4lab":  # fp4lab's tensor names: no engine runs it as a model
+        return fp4lab_export.export({"params": t.run.params}, t.record, t.out, layout,
+                                    metadata=t.meta)
+    return _save_nemotron_h_gguf(t.run, t.cfg, t.record, t.out, t.meta)
+
+
+def _write_bf16(t: _Target, layout: str):
+    return hf_nemotron_h.write_bf16(t.run.params, t.cfg, t.out, **t.hf_kw)
+
+
+def _write_hf_nvfp4(t: _Target, layout: str):
+    return hf_nemotron_h.write_nvfp4(t.run.params, t.record, t.cfg, t.out, layout=layout,
+                                     **t.hf_kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A layout the command writes: the engine that runs it, the check of the model and the
+    output before anything is written, and the writer; or why it is refused."""
+
+    engine: str
+    check: Callable[[_Target], None] | None = None
+    write: Callable[[_Target, str], object] | None = None
+    refusal: str | None = None
+
+
+# what the command writes, one row per layout (docs/export.md's table of engines)
+SERVED = {
+    "gguf": Served("llama.cpp (nemotron_h)", _check_gguf, _write_gguf),
+    "bf16": Served("transformers (NemotronHForCausalLM)", _check_hf, _write_bf16),
+    "nvfp4": Served("transformers, vLLM (compressed-tensors NVFP4)", _check_hf,
+                    _write_hf_nvfp4),
+    "nvfp4_modelopt": Served("transformers, vLLM (ModelOpt NVFP4, weight-only)", _check_hf,
+                             _write_hf_nvfp4),
+    "mxfp4": Served("none: MXFP4 safetensors are loaded for MoE experts only",
+                    refusal=NO_DENSE_MXFP4),
+}
+SERVED_LAYOUTS = tuple(SERVED)
 
 
 def export_run(workdir, layout: str, out, *, policy: str | None = None,
@@ -83,41 +163,20 @@ def ptq_note(run, policy: str) -> str | None:
 
 
 def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
+    """Write ``run`` as ``layout``: its row of :data:`SERVED` checks, then writes."""
     from experiments.step import model_config
 
     if gguf_arch not in GGUF_ARCHS:
         raise ValueError(f"gguf_arch={gguf_arch!r}: use one of {GGUF_ARCHS}")
-    if layout not in SERVED_LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(SERVED_LAYOUTS)}")
-    if layout == "mxfp4":
-        raise ValueError(NO_DENSE_MXFP4)
-    cfg = model_config(run.config, run.data)
-    generic = layout == "gguf" and gguf_arch == "fp4lab"
-    if layout != "gguf":  # a NemotronHForCausalLM folder
-        hf_nemotron_h.check_expressible(cfg)
-        hf_nemotron_h.check_output(out)  # a wrong path fails before the work
-    elif not generic:
-        engines.check_nemotron_h(cfg)
-    meta = {"run": run.workdir.name, "policy_name": policy or run.config.precision.policy,
-            "seed": run.config.seed}
-    kw = dict(max_positions=run.config.data.seq_len, metadata=meta)
-    if layout == "bf16":
-        return hf_nemotron_h.write_bf16(run.params, cfg, out, **kw)
-    record = _record(run, cfg, meta["policy_name"])
-    if generic:
-        return fp4lab_export.export({"params": run.params}, record, out, layout, metadata=meta)
-    if layout != "gguf":
-        return hf_nemotron_h.write_nvfp4(run.params, record, cfg, out, layout=layout, **kw)
-    return _save_nemotron_h_gguf(run, cfg, record, out, meta)
-
-
-def _record(run, cfg, name: str):
-    """The quantized model's record of its forward pass under the policy ``name``."""
-    model = quantize_model(HybridLM(cfg), policies.without_outcontrol(
-        policies.get(name), "experiments.export"))
-    inputs, _ = validation_tokens(run.config, run.data, 1)
-    return model.assignments({"params": run.params}, inputs,
-                             rngs={"quant": jax.random.key(0)})
+    if layout not in SERVED:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(SERVED)}")
+    row = SERVED[layout]
+    if row.refusal is not None:
+        raise ValueError(row.refusal)
+    target = _Target(run, model_config(run.config, run.data), out,
+                     policy or run.config.precision.policy, gguf_arch)
+    row.check(target)
+    return row.write(target, layout)
 
 
 def _save_nemotron_h_gguf(run, cfg, record, out, meta: dict):
@@ -185,8 +244,7 @@ def main(argv=None) -> int:
                                  "an inference engine.")
     ap.add_argument("--run", required=True, help="a finished run's folder")
     ap.add_argument("--layout", required=True, choices=SERVED_LAYOUTS,
-                    help="gguf: llama.cpp's nemotron_h; bf16, nvfp4 (compressed-tensors), "
-                    "nvfp4_modelopt: transformers' NemotronHForCausalLM folder")
+                    help="; ".join(f"{k}: {v.engine}" for k, v in SERVED.items()))
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
     ap.add_argument("--policy", default=None, help="instead of the run's own policy")
     ap.add_argument("--gguf-arch", default=engines.ARCH, choices=GGUF_ARCHS,
@@ -203,7 +261,7 @@ def main(argv=None) -> int:
     try:
         path = _export(run, args.layout, args.out, policy=args.policy,
                        gguf_arch=args.gguf_arch)
-    except ImportError as e:  # the export extra (other mistakes: experiments.cli)
+    except ImportError as e:  # the export extra (other mistakes: experiments.commands)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({args.layout})")

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments.checkpoints import Checkpoints
-from experiments.probes import probe_records
+from experiments.probe_records import probe_records
 from experiments.records import RunRecords
 from experiments.run_spec import switch_step
 from experiments.setup import Setup

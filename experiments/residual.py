@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import policies
-from experiments.cli import command
+from experiments.commands import command
 from experiments.model import RESIDUAL_FORMATS, HybridLM, residual_probes
 from experiments.records import write_report
 from experiments.rollout import token_log_probs

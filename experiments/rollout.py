@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.cli import command
+from experiments.commands import command
 from experiments.model import HybridLM
 from experiments.records import write_report
 from experiments.runs import analysis_parser, load_run, validation_tokens

@@ -26,7 +26,7 @@ and exit status). One command then works as the README writes it, with every oth
 ``python -m experiments.<x>``; with llama-cpp-python installed where it runs, nothing is
 handed over. For that this module imports nothing of fp4lab's or JAX's (the consumers'
 Python has neither), and ends a user's mistake with one line, ``error: ...``, and exit
-status 2 itself, as ``experiments.cli.command`` does for the other commands.
+status 2 itself, as ``experiments.commands.command`` does for the other commands.
 
 tests/consumers/llama_eval.py loads its models with :func:`load`
 (tests/experiments/test_serving.py runs both).

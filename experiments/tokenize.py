@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.cli import command
+from experiments.commands import command
 from experiments.data import LLMC_HEADER_BYTES, split_documents
 from fp4lab.files import atomic
 
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         tokenize(args.paths or None, out=out, vocab_size=args.vocab_size,
                  val_fraction=args.val_fraction, suffixes=tuple(args.suffixes),
                  force=args.force, log=lambda m: print(m, file=sys.stderr))
-    except ImportError as e:  # the tokenizers extra (other mistakes: experiments.cli)
+    except ImportError as e:  # the tokenizers extra (other mistakes: experiments.commands)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -6,7 +6,7 @@ A run's concepts each have their module: its checked specification
 (``experiments.checkpoints``), the loop with Ctrl-C and divergence (``experiments.loop``)
 and several processes (``experiments.processes``). The pure state, optimizer, loss and step
 are in ``experiments.step``, the files a run writes in ``experiments.records``, the probe
-records in ``experiments.probes``; what a run does and records: docs/experiments.md ("One
+records in ``experiments.probe_records``; what a run does and records: docs/experiments.md ("One
 run").
 
     python -m experiments.train --config experiments/configs/default.py train.steps=300 \
@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 
 from experiments import runinfo
 from experiments.checkpoints import Checkpoints, resume
-from experiments.cli import command
+from experiments.commands import command
 from experiments.data import TextData
 from experiments.loop import Interval, Loop, StepLog, StopOnInterrupt, TrainingInterrupted
-from experiments.probes import summarize_probes, underflow_by_kind
+from experiments.probe_records import summarize_probes, underflow_by_kind
 from experiments.processes import (DISTRIBUTED_TIMEOUT_S, checked_timeout, connect_collectives,
                                    initialize_distributed, sync)
 from experiments.records import RunRecords
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     """``python -m experiments.train``: one run (:func:`train`) of ``--config`` with
     ``key=value`` overrides in ``--workdir``; prints the result. Exit status 0, 130 after
     Ctrl-C (the run saved; the same command resumes it), 2 for a user's mistake
-    (``experiments.cli.command``)."""
+    (``experiments.commands.command``)."""
     from experiments.configs import load_config
 
     default = str(Path(__file__).parent / "configs" / "default.py")

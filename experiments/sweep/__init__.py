@@ -57,7 +57,7 @@ what exists into the reports, listing runs without a result as ``missing``; once
 has finished, the merged report equals a sequential sweep's.
 """
 
-from experiments.probes import layer_order
+from experiments.probe_records import layer_order
 from experiments.sweep.cli import main, parse_shard
 from experiments.sweep.plan import (PlannedRun, Variant, planned_runs, run_config, run_name,
                                     sweep_seeds, sweep_variants)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.cli import command
+from experiments.commands import command
 from experiments.sweep.report import write_reports
 from experiments.sweep.run import collect_results, run_sweep
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.probes import layer_order
+from experiments.probe_records import layer_order
 from experiments.records import read_jsonl
 from fp4lab.files import write_atomic
 from experiments.stats import paired_gap

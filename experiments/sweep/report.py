@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.probes import KIND_ORDER
+from experiments.probe_records import KIND_ORDER
 from fp4lab.files import write_atomic
 from experiments.stats import gap_difference, paired_gap
 from experiments.sweep import plots

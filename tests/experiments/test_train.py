@@ -337,7 +337,7 @@ def test_user_mistakes_print_one_line_and_exit_2(tiny, corpus_dir, tmp_path, cap
     from experiments import auto_assign, residual, rollout, ssm_state
     from experiments import sweep as sweep_module
     from experiments import train as train_module
-    from experiments.cli import command
+    from experiments.commands import command
 
     (tmp_path / "a_file").write_text("x")
     data = f"data.paths=('{corpus_dir}',)"
