@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import numpy_ref as ref
+from oracles import numpy_ref as ref
 
 F32 = np.float32
 INF = F32(np.inf)
@@ -347,7 +347,7 @@ FORMATS = ("nvfp4", "nvfp4_row", "nvfp4_4over6", "nvfp4_4over6_mse", "mxfp8", "m
 
 def reference(fmt: str, x: np.ndarray, tile=None, global_amax=None,
               ftz: bool = False) -> dict[str, np.ndarray]:
-    """The oracle's (tests/numpy_ref.py) codes, scales (as stored bits) and dequantized
+    """The oracle's (tests/oracles/numpy_ref.py) codes, scales (as stored bits) and dequantized
     values of ``x`` for ``fmt``: ``{"codes", "scale", "values"}`` (+ ``"amax"`` for NVFP4).
     Codes are unpacked (one per element); scale layouts are fp4lab's. ``ftz``: flush float32
     subnormals as XLA:CPU does (the MX blocks at E8M0's bottom produce some)."""

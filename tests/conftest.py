@@ -1,6 +1,6 @@
 """Shared test setup: 8 simulated CPU devices (for sharding tests; set before JAX starts),
-the NumPy oracle (tests/numpy_ref.py) importable as ``numpy_ref`` from every test directory,
-and a small, deterministic hypothesis profile for 2 cores."""
+the NumPy oracles (tests/oracles/: ``from oracles import numpy_ref``) and the test helpers
+importable from every test directory, and a small, deterministic hypothesis profile for 2 cores."""
 
 import os
 import sys

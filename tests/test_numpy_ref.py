@@ -1,15 +1,19 @@
-"""Self-checks of the NumPy test oracle (tests/numpy_ref.py) against docs/numerics.md.
+"""Self-checks of the NumPy test oracles (tests/oracles/) against docs/numerics.md.
 
-These tests check the *reference*, not fp4lab: element conversions are compared exhaustively
-with ml_dtypes / np.float16 (used here only, never inside numpy_ref.py), and the block formats
-with the test vectors and hand-computed examples of docs/numerics.md.
+These tests check the *references*, not fp4lab: the shared float32 arithmetic (oracles.f32)
+against NumPy's and by hand, element conversions exhaustively against ml_dtypes / np.float16
+(used here only, never inside the oracles), the codecs the paper ports share with the
+specification's, and the block formats with the test vectors and hand-computed examples of
+docs/numerics.md.
 """
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-import numpy_ref as ref
+from oracles import numpy_ref as ref
+from oracles import papers
+from oracles.f32 import Arith, ftz32
 
 F32 = np.float32
 NAN, INF = np.float32(np.nan), np.float32(np.inf)
@@ -22,6 +26,51 @@ def f32(*vals):
 def bf16(bits):
     """float32 value of a BF16 bit pattern."""
     return np.array([bits << 16], dtype=np.uint32).view(F32)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# oracles.f32: the arithmetic every oracle shares
+# ----------------------------------------------------------------------------------------------
+
+def test_arith_rounds_once_per_operation_and_flushes_under_ftz():
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(4096) * np.exp2(rng.integers(-140, 120, 4096))).astype(F32)
+    b = (rng.standard_normal(4096) * np.exp2(rng.integers(-140, 120, 4096))).astype(F32)
+    plain, ftz = Arith(False), Arith(True)
+    with np.errstate(all="ignore"):
+        for op, want in (("mul", a * b), ("div", a / b), ("add", a + b), ("sub", a - b)):
+            got = getattr(plain, op)(a, b)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), op)
+            flushed = getattr(ftz, op)(a, b)  # results flushed (the inputs are the caller's)
+            np.testing.assert_array_equal(flushed.view(np.uint32),
+                                          ftz32(want).view(np.uint32), op)
+    sub = f32(2.0**-130, -(2.0**-130), 2.0**-126)
+    assert ftz.f(sub).view(np.uint32).tolist() == f32(0.0, -0.0, 2.0**-126).view(
+        np.uint32).tolist()
+    assert plain.f(sub).tolist() == sub.tolist()
+
+
+def test_seqsum_adds_in_element_order():
+    x = f32(1.0, 2.0**24, -(2.0**24), 1.0)  # left to right: 1 is lost against 2**24, then 0 + 1
+    assert Arith(False).seqsum(x).tolist() == [1.0]
+    # from the other end: 1 - 2**24 is exact, so both ones survive
+    assert Arith(False).seqsum(f32(1.0, -(2.0**24), 2.0**24, 1.0)).tolist() == [2.0]
+    y = f32(2.0**24, 1.0, 1.0, -(2.0**24))  # each 1 is lost: 0
+    assert Arith(False).seqsum(y).tolist() == [0.0]
+
+
+def test_the_paper_ports_e4m3_codec_is_the_specifications():
+    codes = np.arange(0x80)
+    np.testing.assert_array_equal(papers.e4m3_value(codes),
+                                  ref.e4m3_value(codes.astype(np.uint8)))
+    values = papers.e4m3_value(np.arange(0x7F))
+    np.testing.assert_array_equal(papers.e4m3_code(values), ref.e4m3_byte(values))
+    # where they differ on purpose: the authors' kernels keep NaN in E2M1 and turn an
+    # infinite input into NaN in E4M3; the specification has no E2M1 NaN and saturates
+    special = f32(np.nan, np.inf)
+    assert np.isnan(papers.e2m1_rne(special[:1])).all()
+    assert np.isnan(papers.e4m3_rne_sat(special[1:])).all()
+    assert ref.e4m3_value(ref.e4m3_byte(special[1:])).tolist() == [448.0]
 
 
 # ----------------------------------------------------------------------------------------------

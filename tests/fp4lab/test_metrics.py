@@ -4,7 +4,7 @@ docs/numerics.md."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_ref
+from oracles import numpy_ref
 import pytest
 
 import fp4lab
@@ -106,7 +106,7 @@ def test_block_dynamic_range_is_transformer_engines_statistic(fmt, tile, block):
 
 
 def test_map4_share_counts_the_blocks_four_over_six_maps_to_4():
-    """Against the ported TE kernel (tests/numpy_ref.py): a block is mapped to 4 where its
+    """Against the ported TE kernel (tests/oracles/numpy_ref.py): a block is mapped to 4 where its
     stored scale differs from the map-to-6 scale."""
     x = np.asarray(jax.random.normal(jax.random.key(0), (64, 64)), np.float32)
     _, sb, amax = numpy_ref.nvfp4_4over6_quantize(x)
@@ -146,10 +146,10 @@ def test_noise_ratio_of_exact_and_halfway_values():
 
 
 def test_map4_share_counts_quartet_ii_blocks_mapped_to_4():
-    """Quartet II's forward with Four Over Six (tests/recipe_oracles.py, IST-DASLab/Quartet-II
+    """Quartet II's forward with Four Over Six (tests/oracles/papers.py, IST-DASLab/Quartet-II
     8776a90): the share of blocks whose chosen scale is not the map-to-6 one (S 256, 1 where
     the E4M3 scale is 0)."""
-    from recipe_oracles import e4m3_rne_sat, quartet2_rtn
+    from oracles.papers import e4m3_rne_sat, quartet2_rtn
 
     x = np.asarray(jax.random.normal(jax.random.key(1), (64, 64)), np.float32)
     _, chosen = quartet2_rtn(x, four_over_six=True, ftz=True)

@@ -1,12 +1,12 @@
 """fp4lab.features.osci_reset (TetraJet-v2's OsciReset, thu-ml/TetraJet-v2-NVFP4Training ca5953f,
 calibrate.py:36-98, oscillation_reset.py distance_ratio) against a NumPy oracle of the same
-schedule, with the double-block quantizer's oracle (tests/recipe_oracles.py) as ``Q``."""
+schedule, with the double-block quantizer's oracle (tests/oracles/papers.py) as ``Q``."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from recipe_oracles import double_block
+from oracles.papers import double_block
 
 from fp4lab.features import osci_reset
 

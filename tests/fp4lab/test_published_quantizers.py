@@ -1,5 +1,5 @@
 """The published FP4 quantizers (fp4lab/numerics/scaling.py, "published recipes") against the NumPy
-oracles of tests/recipe_oracles.py, bit for bit (uint32 views: -0/+0 count, all NaNs equal):
+oracles of tests/oracles/papers.py, bit for bit (uint32 views: -0/+0 count, all NaNs equal):
 
 * quest_mxfp4, tseng_mxfp4: IST-DASLab/Quartet @ 00ccd38e544ac5fd56b7837844a427114b884ef8,
   src/models/quantization/quantizers/mxfp4_triton.py
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import recipe_oracles as ro
+from oracles import papers as ro
 
 from fp4lab.numerics import rounding as rnd
 from fp4lab.numerics.quantize import dequantize, fake_quant, quantize

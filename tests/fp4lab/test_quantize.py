@@ -1,4 +1,4 @@
-"""fp4lab.quantize against the independent NumPy oracle (tests/numpy_ref.py), bit for bit."""
+"""fp4lab.quantize against the independent NumPy oracle (tests/oracles/numpy_ref.py), bit for bit."""
 
 import dataclasses
 import functools
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import numpy_ref as ref
+from oracles import numpy_ref as ref
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import fp4lab
-import numpy_ref
+from oracles import numpy_ref
 from fp4lab.gemm.qdot import qdot_general, saved_bytes
 from fp4lab.gemm.recipe import SavedX, get_recipe
 from fp4lab.gemm.saved import recompute

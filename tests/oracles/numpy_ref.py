@@ -26,12 +26,15 @@ Conventions
 * NaN and infinity handling follows docs/numerics.md plus the explicit choices documented on each
   function. Overflow/invalid warnings are suppressed locally (``np.errstate``).
 
-Only ``numpy`` is imported (no jax, no ml_dtypes).
+Only ``numpy`` is imported (no jax, no ml_dtypes), and the float32 arithmetic of
+:mod:`oracles.f32`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from oracles.f32 import F32, FLT_MAX, Arith, ftz32
 
 __all__ = [
     "FLT_MAX", "ELEM_MAX", "MX_EMAX",
@@ -52,60 +55,38 @@ __all__ = [
     "stochastic_round_grid_probs",
 ]
 
-F32 = np.float32
-FLT_MAX = F32(np.finfo(np.float32).max)           # 3.4028235e38
-FLT_MIN_NORMAL = F32(np.finfo(np.float32).tiny)   # 2**-126
-
 # Largest finite value and OCP "emax" of each element format.
 ELEM_MAX = {"e2m1": F32(6.0), "e4m3": F32(448.0), "e5m2": F32(57344.0)}
 MX_EMAX = {"e2m1": 2, "e4m3": 8, "e5m2": 15}
 
 
 # ----------------------------------------------------------------------------------------------
-# float32 arithmetic helpers: one helper call == one fl(...) of docs/numerics.md
+# float32 arithmetic helpers (oracles.f32): one helper call == one fl(...) of docs/numerics.md
 # ----------------------------------------------------------------------------------------------
-
-def ftz32(a):
-    """Flush float32 subnormals to a zero of the same sign (DAZ/FTZ emulation).
-
-    Values with ``|a| < 2**-126`` become ``copysign(0, a)``; zeros, normals, infinities and
-    NaNs are returned unchanged. Always returns float32.
-    """
-    a = np.asarray(a, dtype=F32)
-    return np.where(np.abs(a) < FLT_MIN_NORMAL, np.copysign(F32(0.0), a), a).astype(F32)
-
 
 def _f32_in(a, ftz):
     """Convert an input to float32 and, under DAZ, flush its subnormals."""
-    a = np.asarray(a, dtype=F32)
-    return ftz32(a) if ftz else a
+    return Arith(ftz).f(a)
 
 
 def _out(r, ftz):
     """Result of a float32 op: flushed under FTZ."""
-    r = np.asarray(r, dtype=F32)
-    return ftz32(r) if ftz else r
+    return Arith(ftz).f(r)
 
 
 def _mul(a, b, ftz):
     """fl(a * b) in float32 (RNE), operands assumed already float32/flushed."""
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        r = np.multiply(np.asarray(a, F32), np.asarray(b, F32), dtype=F32)
-    return _out(r, ftz)
+    return Arith(ftz).mul(a, b)
 
 
 def _div(a, b, ftz):
     """fl(a / b) in float32 (RNE)."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-        r = np.divide(np.asarray(a, F32), np.asarray(b, F32), dtype=F32)
-    return _out(r, ftz)
+    return Arith(ftz).div(a, b)
 
 
 def _add(a, b, ftz):
     """fl(a + b) in float32 (RNE)."""
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        r = np.add(np.asarray(a, F32), np.asarray(b, F32), dtype=F32)
-    return _out(r, ftz)
+    return Arith(ftz).add(a, b)
 
 
 def _min_flt_max(a):

@@ -44,55 +44,14 @@ from __future__ import annotations
 
 import numpy as np
 
-F = np.float32
-TINY = np.finfo(F).tiny  # 2**-126
+from oracles.f32 import F32 as F
+from oracles.f32 import Arith as _Arith
 
 __all__ = ["e2m1_rne", "e4m3_rne_sat", "e4m3_code", "e4m3_value", "quest_mxfp4", "tseng_mxfp4",
            "quartet2_rtn", "eden", "double_block", "tetrajet_fp8", "outcontrol_gemms",
            "atw_nvfp4", "GAUSSIAN_SCALE"]
 
 GAUSSIAN_SCALE = F(2.92247856 / 6.0)  # Quartet's gs, a float32 constant of the kernel
-
-
-class _Arith:
-    """float32 arithmetic, one rounding per call; ``ftz``: flush subnormal results (and
-    inputs, through :meth:`f`) to a signed zero."""
-
-    def __init__(self, ftz: bool):
-        self.ftz = ftz
-
-    def f(self, a):
-        a = np.asarray(a, F)
-        if self.ftz:
-            a = np.where(np.abs(a) < TINY, np.copysign(F(0), a), a).astype(F)
-        return a
-
-    def _op(self, fn, *args):
-        with np.errstate(all="ignore"):
-            return self.f(fn(*[np.asarray(a, F) for a in args], dtype=F))
-
-    def mul(self, a, b):
-        return self._op(np.multiply, a, b)
-
-    def div(self, a, b):
-        return self._op(np.divide, a, b)
-
-    def add(self, a, b):
-        return self._op(np.add, a, b)
-
-    def sub(self, a, b):
-        return self._op(np.subtract, a, b)
-
-    def sqrt(self, a):
-        return self._op(np.sqrt, a)
-
-    def seqsum(self, a, axis=-1):
-        """Sum along ``axis`` (keepdims), one element after the other from the first."""
-        a = np.moveaxis(np.asarray(a, F), axis, 0)
-        total = a[0]
-        for i in range(1, a.shape[0]):
-            total = self.add(total, a[i])
-        return np.expand_dims(total, axis)
 
 
 def _absmax(g, axis=-1):
