@@ -241,7 +241,7 @@ def _config_path(arg: str) -> str:
 
 
 REFUSALS = (ValueError, FileNotFoundError, ImportError)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # fp4lab/
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fp4lab/
 
 
 def is_refusal(e: BaseException) -> bool:

@@ -11,9 +11,11 @@ def test_the_top_level_is_small_and_every_name_resolves():
 
 
 def test_names_left_out_of_the_top_level_live_in_their_modules():
-    for path in ("formats.ELEMENTS", "formats.ElementFormat", "hadamard.rht",
-                 "backend.KernelFallback", "metrics.METRIC_NAMES", "recipe.OPERANDS",
-                 "delayed.DelayedScaling", "recipe.SavedX", "outcontrol.OutControl", "policy.Depth",
+    for path in ("numerics.formats.ELEMENTS", "numerics.formats.ElementFormat",
+                 "numerics.hadamard.rht", "numerics.backend.KernelFallback",
+                 "numerics.metrics.METRIC_NAMES", "gemm.recipe.OPERANDS",
+                 "features.delayed.DelayedScaling", "gemm.recipe.SavedX",
+                 "features.outcontrol.OutControl", "policy.Depth",
                  "policy.nvfp4_paper", "policy.all_layers", "policy.PolicyWarning"):
         module, name = path.rsplit(".", 1)
         assert hasattr(importlib.import_module(f"fp4lab.{module}"), name), path
