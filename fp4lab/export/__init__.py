@@ -167,15 +167,16 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
     return path
 
 
-def export(params, how, path, layout: str, *, compute_dtype=None,
-           num_blocks: int | None = None, contracting: Mapping[str, int] | None = None,
-           **save_kw) -> Path:
+def export(params, how, path, layout: str, *, layers: Mapping[str, str | None] | None = None,
+           compute_dtype=None, num_blocks: int | None = None,
+           contracting: Mapping[str, int] | None = None, **save_kw) -> Path:
     """:func:`quantized_weights` of ``params`` as ``how`` says (the model's record or a
-    policy), written by :func:`save`; the policy is recorded in the metadata."""
+    policy; ``layers``: their kinds), written by :func:`save`; the policy is recorded in the
+    metadata."""
     from fp4lab.policy import ExplainTable, explain, policy_to_dict
 
     _out_path(path, layout)  # a wrong path fails before the work
-    weights = quantized_weights(params, how, compute_dtype=compute_dtype,
+    weights = quantized_weights(params, how, layers=layers, compute_dtype=compute_dtype,
                                 num_blocks=num_blocks, contracting=contracting)
     policy = how.policy if isinstance(how, ExplainTable) else get_policy(how)
     try:

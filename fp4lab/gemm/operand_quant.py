@@ -34,13 +34,15 @@ def operand_keys(key) -> dict[str, jax.Array | None]:
 _GEMM_INDEX = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 
 
-def operand_signs(recipe: Recipe, key) -> dict:
-    """Each operand's Hadamard sign vector: the recipe's fixed one (``"te"``, ``"none"``, a
-    seed), or for ``"random"`` a vector drawn from ``key`` per GEMM and call, shared by the
-    GEMM's two operands so that the transform cancels (the authors of Quartet, Quartet II and
-    TetraJet-v2 redraw theirs at every call)."""
+def operand_signs(recipe: Recipe, key, names=None) -> dict:
+    """Each operand's Hadamard sign vector (``names``: those operands only): the recipe's
+    fixed one (``"te"``, ``"none"``, a seed), or for ``"random"`` a vector drawn from ``key``
+    per GEMM and call, shared by the GEMM's two operands so that the transform cancels (the
+    authors of Quartet, Quartet II and TetraJet-v2 redraw theirs at every call)."""
     out = {}
     for o in OPERAND_TABLE:
+        if names is not None and o.name not in names:
+            continue
         op = recipe.operands[o.name]
         s = recipe.signs(op)
         if s == "random" and op.hadamard:

@@ -225,7 +225,7 @@ def _composed(x, w, recipe: Recipe, out_dtype, backend, state: GemmState, dy_dty
                              GemmState(key, p, history), out_dtype)
         return split_gemm(part, x, w, recipe, channels, probe).astype(out_dtype)
     if recipe.fprop_x.hadamard:
-        signs = operand_signs(recipe, key)
+        signs = operand_signs(recipe, key, ("fprop_x", "fprop_w"))
         x = rotate(x, AXIS["fprop_x"], recipe.fprop_x.hadamard, signs["fprop_x"])
         w = rotate(w, AXIS["fprop_w"], recipe.fprop_w.hadamard, signs["fprop_w"])
         recipe = _without_forward_transform(recipe)

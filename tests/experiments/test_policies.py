@@ -53,7 +53,7 @@ def test_a_string_is_one_policy_in_quantize_model_export_and_experiments(name, m
                                                                           tmp_path):
     from flax import nnx
 
-    from fp4lab.flax import assignments, quantize_model
+    from fp4lab.flax import assignments, linear_layers, quantize_model
 
     class Net(nnx.Module):
         def __init__(self, rngs):
@@ -69,7 +69,9 @@ def test_a_string_is_one_policy_in_quantize_model_export_and_experiments(name, m
     recorded = {}
     monkeypatch.setattr(export, "save", lambda weights, path, layout, metadata, **kw:
                         recorded.update(metadata))
-    export.export(Net(nnx.Rngs(0)), name, tmp_path / "net.gguf", "gguf")
+    net = Net(nnx.Rngs(0))  # fp4lab.export takes pure data: the parameters, the layers' kinds
+    export.export(nnx.to_pure_dict(nnx.state(net, nnx.Param)), name, tmp_path / "net.gguf",
+                  "gguf", layers=dict(linear_layers(net)))
     assert recorded["policy"] == policy_to_dict(want)
 
 
