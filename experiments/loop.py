@@ -1,6 +1,6 @@
 """The training loop of one run: steps (with the late precision switch and the modes of the
-stateful features: OutControl's phases, probe steps), evaluation, checkpoints at their interval, logging, Ctrl-C after a whole
-step and the stop on a non-finite loss."""
+stateful features: OutControl's phases, probe steps), evaluation, checkpoints at their
+interval, logging, Ctrl-C after a whole step and the stop on a non-finite loss."""
 
 from __future__ import annotations
 

@@ -90,10 +90,11 @@ def _features(spec: RunSpec, qmodel, params, sample) -> tuple[Feature, ...]:
     collections of those before it, each checked against the run's gradient reduction."""
     config, built, collections = spec.config, [], {}
     t = config.train
+    run = Run(qmodel, config.precision.policy, params, sample, steps=t.steps,
+              quantized_steps=switch_step(t))  # one record of the model for all of them
     for cls in TRAINING:
-        f = cls.build(Run(qmodel, config.precision.policy, params, sample,
-                          _options(config, cls.OPTIONS), t.steps, switch_step(t),
-                          dict(collections)))
+        f = cls.build(dataclasses.replace(run, options=_options(config, cls.OPTIONS),
+                                          collections=dict(collections)))
         if f is None:
             continue
         f.check(spec.grad_reduce is not None)

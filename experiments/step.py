@@ -248,10 +248,11 @@ def make_step(qmodel, tx, sched, seed: int, mtp_weight: float, features=(), mode
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         states, metrics, reports = dict(state.features), {}, {}
+        variables = {**fixed, **observed}
         for f, mode, own in zip(features, modes, _observed_by(features, given, seen),
                                 strict=True):
             u = f.update(states.get(f.name), params, mode, StepContext(
-                qmodel, state.params, tokens, key, state.step, {**fixed, **observed}, own))
+                qmodel, state.params, tokens, key, state.step, variables, own))
             params, metrics = u.params, metrics | u.metrics
             if f.name in states:
                 states[f.name] = u.state

@@ -27,7 +27,6 @@ section in the config) plus its line in :data:`fp4lab.features.registry.TRAINING
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -51,12 +50,17 @@ class Run:
     steps: int = 0
     quantized_steps: int = 0
     collections: dict = dataclasses.field(default_factory=dict)
+    # what the features of one run share (``dataclasses.replace`` keeps it): the record
+    _shared: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    @functools.cached_property
+    @property
     def assignments(self):
-        """Every GEMM's path, recipe and stack (``QuantizedLinen.assignments``)."""
-        return self.qmodel.assignments({"params": self.params}, self.sample,
-                                       rngs={"quant": jax.random.key(0)})
+        """Every GEMM's path, recipe and stack (``QuantizedLinen.assignments``), traced once
+        for all the features of a run."""
+        if "assignments" not in self._shared:
+            self._shared["assignments"] = self.qmodel.assignments(
+                {"params": self.params}, self.sample, rngs={"quant": jax.random.key(0)})
+        return self._shared["assignments"]
 
     @property
     def variables(self) -> dict:
