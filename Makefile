@@ -62,7 +62,10 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab formats
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
-test: $(TEST) $(CONSUMERS)/.installed $(MAXTEXT)/.installed
+# the three environments are independent (three folders, pip's cache is safe to share): built
+# side by side, llama.cpp's compile in .venv-consumers overlaps the other two's downloads
+test:
+	$(MAKE) --no-print-directory --jobs=3 $(TEST) $(CONSUMERS)/.installed $(MAXTEXT)/.installed
 	$(VENV)/bin/ruff check .
 	FP4LAB_CONSUMER_PYTHON=$(abspath $(CONSUMERS))/bin/python \
 	FP4LAB_MAXTEXT_PYTHON=$(abspath $(MAXTEXT))/bin/python \
