@@ -31,7 +31,9 @@ def tiny():
 @pytest.fixture(scope="session")
 def train_tiny(tmp_path_factory, corpus_dir):
     """``train_tiny(policy, **model_keys) -> (config, run folder)``: the tiny config on the
-    corpus, trained 8 steps (one checkpoint), for the tests that analyse a trained run."""
+    corpus, trained 8 steps (one checkpoint), for the tests that analyse a trained run. No
+    probes: none of them reads a probe record, and the probe step is a program of its own
+    to compile."""
     from experiments.train import train
 
     def run(policy: str, **model_keys):
@@ -39,6 +41,7 @@ def train_tiny(tmp_path_factory, corpus_dir):
         c.compile_cache = COMPILE_CACHE
         c.data.paths = (str(corpus_dir),)
         c.precision.policy, c.train.steps, c.train.ckpt_every = policy, 8, 8
+        c.probes.every = 0
         for key, value in model_keys.items():
             c.model[key] = value
         folder = tmp_path_factory.mktemp("trained") / "run"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from environments import MAXTEXT, python_of
+from environments import COMPILE_CACHE, MAXTEXT, python_of
 from flax import nnx
 
 from fp4lab.flax import assignments
@@ -53,9 +53,12 @@ def _env(devices: int, xla: str = "", **extra: str) -> dict:
 def train(python, out: Path, name: str, *args: str, module="fp4lab.integrations.maxtext", devices=4,
           check=True, dump=False) -> subprocess.CompletedProcess:
     """One run of MaxText's trainer; its metrics in ``out/<name>.jsonl``, and with ``dump``
-    XLA's compiled programs in ``out/<name>.hlo``."""
+    XLA's compiled programs in ``out/<name>.hlo`` (XLA dumps a program loaded from the
+    cache too). Its programs go to the tests' JAX cache, not MaxText's default
+    ``~/jax_cache``: a run that compiles what an earlier one did (a resume) loads it."""
     cmd = [str(python), "-m", module, *TINY, f"base_output_directory={out}",
-           f"run_name={name}", f"metrics_file={out / name}.jsonl", *args]
+           f"run_name={name}", f"metrics_file={out / name}.jsonl",
+           f"jax_cache_dir={COMPILE_CACHE}", *args]
     if module != "fp4lab.integrations.maxtext":
         cmd[3] = _base_yml(python)
     xla = f"--xla_dump_to={out / name}.hlo --xla_dump_hlo_as_text" if dump else ""
@@ -219,10 +222,11 @@ def test_only_a_raise_in_fp4lab_is_a_refusal():
 
 COUNTS = """
 import sys, numpy as np, orbax.checkpoint as ocp
-state = ocp.PyTreeCheckpointer().restore(sys.argv[1])
-decoder = state["nnx_aux"]["model"]["decoder"]
-wo = decoder["layers"]["mlp"]["wo"]["fp4lab_ops"]["dot_general_0"]
-print(np.asarray(wo["sr_count"]).tolist(), len({tuple(k) for k in np.asarray(wo["sr_key"])}))
+for items in sys.argv[1:]:
+    state = ocp.PyTreeCheckpointer().restore(items)
+    decoder = state["nnx_aux"]["model"]["decoder"]
+    wo = decoder["layers"]["mlp"]["wo"]["fp4lab_ops"]["dot_general_0"]
+    print(np.asarray(wo["sr_count"]).tolist(), len({tuple(k) for k in np.asarray(wo["sr_key"])}))
 """
 
 
@@ -241,13 +245,10 @@ def test_sr_streams_advance_and_a_resumed_run_continues_bit_exactly(maxtext_pyth
     train(maxtext_python, tmp_path, "parts", "steps=3", *saving, *nvfp4)  # resumes
     whole, parts = losses(tmp_path, "whole"), losses(tmp_path, "parts")
     assert parts[-1] == whole[-1] and parts[:2] == whole[:2]
-    counts = []
-    for step in (0, 1):
-        items = tmp_path / "parts" / "checkpoints" / str(step) / "items"
-        got = subprocess.run([str(maxtext_python), "-c", COUNTS, str(items)],
-                             capture_output=True, text=True, check=True,
-                             env=_env(4))
-        counts.append(got.stdout.split("\n")[-2])
+    items = [str(tmp_path / "parts" / "checkpoints" / str(step) / "items") for step in (0, 1)]
+    got = subprocess.run([str(maxtext_python), "-c", COUNTS, *items], capture_output=True,
+                         text=True, check=True, env=_env(4))
+    counts = got.stdout.splitlines()[-2:]
     assert counts == ["[1, 1] 2", "[2, 2] 2"]  # one draw a step, one stream per block
 
 
@@ -277,7 +278,8 @@ def test_two_processes_through_maxtexts_distributed_initialization(maxtext_pytho
     cmd = [str(maxtext_python), "-m", "fp4lab.integrations.maxtext",
            *[a.replace("skip_jax_distributed_system=True", "skip_jax_distributed_system=False")
              for a in TINY], f"base_output_directory={tmp_path}", "run_name=two", "steps=1",
-           "fp4lab.policy=all:nvfp4", f"metrics_file={tmp_path}/two.jsonl"]
+           "jax_cache_dir=", "fp4lab.policy=all:nvfp4",  # (no cache: two processes)
+           f"metrics_file={tmp_path}/two.jsonl"]
     logs = [tmp_path / f"two{i}.log" for i in range(2)]  # files: a full pipe would block
     procs = [subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
                               env=_env(2, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
