@@ -2,6 +2,7 @@
 quantize/dequantize/dot."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +29,24 @@ def data(m=48, k=64, n=32, dtype=jnp.bfloat16):
 
 def oracle_operand(v, op, axis, key, signs="te", amax=None):
     """The operand as the recipe spec says, composed explicitly from the public API
-    (``amax``: the delayed-scaling amax of a per-tensor operand)."""
+    (``amax``: the delayed-scaling amax of a per-tensor operand; below max|v| it saturates
+    v, as delayed scaling does). Composed under jit: op by op, the oracles compiled some 270
+    one-operation programs per shape; test_rewrites holds the compiled transforms and
+    quantizers to the NumPy oracles."""
+    if isinstance(signs, jax.Array):  # drawn signs: an argument, the rest static
+        return _operand(v, key, amax, signs, op=op, axis=axis, signs=None)
+    return _operand(v, key, amax, None, op=op, axis=axis, signs=signs)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axis", "signs"))
+def _operand(v, key, amax, drawn_signs, *, op, axis, signs):
     if op.hadamard:
-        v = rht(v, axis, op.hadamard, signs)
+        v = rht(v, axis, op.hadamard, signs if drawn_signs is None else drawn_signs)
     if op.format.is_passthrough:
         return v.astype(op.format.element.storage)
-    def quant(v, amax):
-        return fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                               tile=op.tile, rounding=op.rounding, key=key, global_amax=amax)
-    # a lagging amax (below max|v|) saturates v, as delayed scaling does: taken under jit
-    return fp4lab.dequantize(quant(v, None) if amax is None else jax.jit(quant)(v, amax))
+    return fp4lab.dequantize(fp4lab.quantize(
+        v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis, tile=op.tile,
+        rounding=op.rounding, key=key, global_amax=amax))
 
 
 def history_for(recipe):
