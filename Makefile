@@ -62,8 +62,9 @@ demo: $(BASE)
 	$(VENV)/bin/fp4lab formats
 	$(VENV)/bin/fp4lab compare --plot results/compare.png
 
-# the three environments are independent (three folders, pip's cache is safe to share): built
-# side by side, llama.cpp's compile in .venv-consumers overlaps the other two's downloads
+# the three environments are independent folders (pip writes its shared cache atomically):
+# built side by side, llama.cpp's compile in .venv-consumers overlaps the other two's installs
+# (from a fresh clone on the 2-core CI machine: 3:13 for all three)
 test:
 	$(MAKE) --no-print-directory --jobs=3 $(TEST) $(CONSUMERS)/.installed $(MAXTEXT)/.installed
 	$(VENV)/bin/ruff check .
