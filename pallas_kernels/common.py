@@ -14,10 +14,10 @@ what the fp4lab reference computes (``fp4lab.numerics.rounding`` / ``fp4lab.nume
   (ties go to the even code, magnitudes above 5 saturate to 6, NaN gives +0, the sign of
   zero is kept);
 * :func:`pack_pairs`: two 4-bit codes per byte, element ``2i`` in the low nibble;
-* :func:`hash_uniform` / :func:`stochastic_e2m1`: stochastic rounding onto E2M1 with uniforms
-  from a counter-based hash of the element's position and a seed (``jax.random`` does not lower
-  inside Triton kernels, docs/kernels.md): unbiased and deterministic per seed, with other bits
-  than ``jax.random``'s;
+* :func:`sr_uniform` / :func:`stochastic_e2m1`: stochastic rounding onto E2M1 with the uniforms
+  of ``fp4lab.numerics.random_bits`` (Threefry-2x32 of the key and the element's logical
+  position, computed in the kernel: ``jax.random`` does not lower inside Triton kernels), so
+  the kernels' SR bits equal the XLA path's;
 * :func:`nvfp4_scales`: NVFP4's E4M3 block scales and element multipliers from the block and
   tensor amaxes, in ``fp4lab.numerics.scaling.NVFP4Scale``'s order of operations.
 
@@ -33,10 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax.experimental import pallas as pl
+
+from fp4lab.numerics.random_bits import counter_bits, key_words, to_uniform
 from fp4lab.numerics.rounding import from_bits, pow2
 
 __all__ = ["bits", "from_bits", "abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code",
-           "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "hash_uniform", "stochastic_e2m1",
+           "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "sr_uniform", "sr_key_words", "KEY_SPEC", "stochastic_e2m1",
            "element_index", "nvfp4_scales", "FLT_MAX",
            # the wrappers' host-side pieces
            "check_input", "interpret_mode", "tile_size", "padded_matrix", "compiler_params"]
@@ -125,20 +128,23 @@ def e2m1_value(code):
     return from_bits(bits(mag) | ((code.astype(jnp.int32) & 8) << 28))
 
 
-def _lowbias32(h):
-    """Chris Wellons' lowbias32 integer hash (uint32 arithmetic, wrapping)."""
-    h = h ^ lax.shift_right_logical(h, jnp.uint32(16))
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ lax.shift_right_logical(h, jnp.uint32(15))
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ lax.shift_right_logical(h, jnp.uint32(16))
+def sr_uniform(index, key_ref):
+    """The SR uniforms of the elements at logical positions ``index`` (uint32) under the key
+    words in ``key_ref`` (a ``(1, 2)`` uint32 block): ``fp4lab.numerics.random_bits``'s
+    stream, the XLA path's bits."""
+    return to_uniform(counter_bits(key_ref[:, 0:1], key_ref[:, 1:2], index))
 
 
-def hash_uniform(index, seed):
-    """Uniforms in [0, 1) with 24 bits from element positions ``index`` (uint32) and a
-    ``seed`` (uint32): ``lowbias32(lowbias32(index) ^ lowbias32(seed))``."""
-    h = _lowbias32(_lowbias32(index) ^ _lowbias32(seed))
-    return lax.shift_right_logical(h, jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+KEY_SPEC = pl.BlockSpec((1, 2), lambda *_: (0, 0))  # the key words, read by every program
+
+
+def sr_key_words(key):
+    """The key words a kernel's :func:`sr_uniform` reads: ``(1, 2)`` uint32 (zeros without a
+    key, for round-to-nearest)."""
+    if key is None:
+        return jnp.zeros((1, 2), jnp.uint32)
+    k0, k1 = key_words(key)
+    return jnp.stack([k0, k1]).reshape(1, 2)
 
 
 def stochastic_e2m1(v, u):
@@ -155,7 +161,9 @@ def stochastic_e2m1(v, u):
 
 
 def element_index(shape, row0, col0, row_stride):
-    """uint32 positions ``(row0 + i) * row_stride + col0 + j`` of a tile's elements."""
+    """uint32 positions ``(row0 + i) * row_stride + col0 + j`` of a tile's elements: their
+    logical positions when ``row_stride`` is the operand's logical row length (a padding
+    column aliases the next row's position; it holds zero, which every draw rounds to 0)."""
     row = lax.broadcasted_iota(jnp.uint32, shape, 0) + row0.astype(jnp.uint32)
     col = lax.broadcasted_iota(jnp.uint32, shape, 1) + col0.astype(jnp.uint32)
     return row * jnp.uint32(row_stride) + col

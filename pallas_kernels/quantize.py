@@ -36,7 +36,7 @@ from fp4lab.numerics.quantize import check_amax_covers
 from fp4lab.numerics.rounding import abs_max
 from fp4lab.numerics.scaling import NVFP4Scale, PowerOfTwoScale
 from pallas_kernels.common import (abs_bits, abs_max_bits, bits, check_input, compiler_params,
-                                   e2m1_code, e2m1_value, element_index, from_bits, hash_uniform,
+                                   e2m1_code, e2m1_value, element_index, from_bits, sr_key_words, sr_uniform, KEY_SPEC,
                                    interpret_mode, minimum, nvfp4_scales, pack_pairs,
                                    padded_matrix, pow2, stochastic_e2m1, tile_size,
                                    unpack_pairs)
@@ -86,18 +86,19 @@ def _refusal(r: Request) -> str | None:
 # ----------------------------------------------------------------------------- kernel bodies
 
 
-def _round_e2m1(v, seed_ref, stochastic, row_stride):
+def _round_e2m1(v, key_ref, stochastic, row_stride):
     """E2M1 codes of a ``(tm, tk)`` tile of scaled values: nearest-even, or stochastic with
-    uniforms hashed from the element's position in the padded output and the seed."""
+    the uniforms of the elements' logical positions (``row_stride``: the operand's last dim)
+    under the key words in ``key_ref``, the XLA path's bits."""
     if stochastic:
         tm, tk = v.shape
         index = element_index(v.shape, pl.program_id(0) * tm, pl.program_id(1) * tk,
                               row_stride)
-        v = stochastic_e2m1(v, hash_uniform(index, seed_ref[...].reshape(1, 1)))
+        v = stochastic_e2m1(v, sr_uniform(index, key_ref))
     return e2m1_code(v)
 
 
-def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, block, interpret, stochastic,
+def _nvfp4_1d_kernel(amax_ref, key_ref, x_ref, q_ref, s_ref, *, block, interpret, stochastic,
                      row_stride):
     x = x_ref[...].astype(jnp.float32)
     tm, tk = x.shape
@@ -105,7 +106,7 @@ def _nvfp4_1d_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, block, interpre
     amax = amax_ref[...].reshape(1, 1, 1)
     s_b, enc = nvfp4_scales(abs_max_bits(xb, 2),
                             jnp.broadcast_to(amax, (tm, tk // block, 1)), interpret=interpret)
-    codes = _round_e2m1((xb * enc).reshape(tm, tk), seed_ref, stochastic, row_stride)
+    codes = _round_e2m1((xb * enc).reshape(tm, tk), key_ref, stochastic, row_stride)
     q_ref[...] = pack_pairs(codes)
     s_ref[...] = s_b.reshape(tm, tk // block)
 
@@ -128,7 +129,7 @@ def _nvfp4_2d_kernel(amax_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *, tile, int
     st_ref[...] = s.T
 
 
-def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochastic,
+def _mx_kernel(key_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochastic,
                row_stride):
     del interpret  # power-of-two scales: no division
     x = x_ref[...].astype(jnp.float32)
@@ -150,7 +151,7 @@ def _mx_kernel(seed_ref, x_ref, q_ref, s_ref, *, fmt: Format, interpret, stochas
     mult = jnp.where(finite, pow2(jnp.clip(-e, -126, 127)), 0.0)
     v = xb * mult
     if el == E2M1:
-        codes = _round_e2m1(v.reshape(tm, tk), seed_ref, stochastic, row_stride)
+        codes = _round_e2m1(v.reshape(tm, tk), key_ref, stochastic, row_stride)
         codes = jnp.where(finite, codes.reshape(tm, tk // block, block), 0).reshape(tm, tk)
         q_ref[...] = pack_pairs(codes)
     else:
@@ -215,23 +216,23 @@ def _quantize_1d(x, global_amax, key, *, fmt: Format, cfg: KernelConfig, interpr
     x_spec = pl.BlockSpec((tm, tk), lambda i, j: (i, j))
     scalar = pl.BlockSpec((1, 1), lambda i, j: (0, 0))
     stochastic = rounding == "stochastic"
-    seed = (jax.random.bits(key, (), jnp.uint32) if stochastic else jnp.uint32(0)).reshape(1, 1)
-    sr = dict(interpret=interpret, stochastic=stochastic, row_stride=kp)
+    words = sr_key_words(key if stochastic else None)
+    sr = dict(interpret=interpret, stochastic=stochastic, row_stride=shape[-1])
     if isinstance(fmt.scaling, NVFP4Scale):
         amax = _tensor_amax(x, global_amax)
         q, s = pl.pallas_call(
             functools.partial(_nvfp4_1d_kernel, block=block, **sr), out_shape=out_shape,
             grid=grid,
-            in_specs=[scalar, scalar, x_spec], out_specs=out_specs,
+            in_specs=[scalar, KEY_SPEC, x_spec], out_specs=out_specs,
             interpret=interpret, compiler_params=compiler_params(cfg, interpret),
-            name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), seed, x2)
+            name="fp4lab_nvfp4_quantize")(amax.reshape(1, 1), words, x2)
         global_scale = amax
     else:
         q, s = pl.pallas_call(
             functools.partial(_mx_kernel, fmt=fmt, **sr), out_shape=out_shape, grid=grid,
-            in_specs=[scalar, x_spec], out_specs=out_specs,
+            in_specs=[KEY_SPEC, x_spec], out_specs=out_specs,
             interpret=interpret, compiler_params=compiler_params(cfg, interpret),
-            name=f"fp4lab_{fmt.name}_quantize")(seed, x2)
+            name=f"fp4lab_{fmt.name}_quantize")(words, x2)
         global_scale = None
     m = math.prod(shape[:-1])
     q_len = k_padded // 2 if packed else k_padded
@@ -245,12 +246,12 @@ def quantize(x, fmt: str | Format, *, axis: int = -1, tile=None, global_amax=Non
              config: KernelConfig | None = None) -> QArray:
     """The kernel path of :func:`fp4lab.quantize` for NVFP4 (1D, or ``tile=(16, 16)``),
     MXFP8 (E4M3/E5M2, rceil/floor) and MXFP4 along the last axis: round-to-nearest equal to
-    the reference bit for bit; stochastic rounding (1D E2M1 formats) unbiased and
-    deterministic per ``key``, with hashed rather than ``jax.random`` bits.
+    the reference bit for bit, and so is stochastic rounding (1D E2M1 formats; the same
+    Threefry bits at the same logical positions, ``fp4lab.numerics.random_bits``).
 
     ``interpret`` defaults to True off the GPU (CPU tests run the same kernel bodies).
     ``config`` defaults to :data:`DEFAULT_CONFIG`, or :data:`SR_CONFIG` for stochastic
-    rounding, whose hashing needs about twice the registers per element."""
+    rounding, whose in-kernel Threefry needs more registers per element."""
     if config is None:
         config = SR_CONFIG if rounding == "stochastic" else DEFAULT_CONFIG
     fmt = get_format(fmt)

@@ -17,12 +17,12 @@ Exactness. The kernel computes the transform exactly as the reference does
 infinities and NaN included. There is no matrix product and no multiply-add to contract: the
 transform costs four additions per element instead of a (16-wide, mostly zero) block-diagonal GEMM.
 
-With ``rounding="stochastic"`` (the recipe's setting) the uniforms come from a counter-based
-hash of the element's position in the padded output and a 32-bit seed drawn from the jax key
-(``lowbias32``; ``jax.random`` does not lower inside Triton kernels, docs/kernels.md): the
-rounding is unbiased and deterministic per key, but its bits differ from the XLA path's
-``jax.random`` bits, as the issue allows. Positions are 32-bit, so tensors with more than
-2**32 elements reuse counters.
+With ``rounding="stochastic"`` (the recipe's setting) the uniforms are
+``fp4lab.numerics.random_bits``'s: Threefry-2x32 of the key and each element's logical
+position in the tokens-first ``(M16, K)`` operand the GEMM quantizes (``token * K + feature``,
+as ``fp4lab.gemm``'s XLA path draws them for ``rht(x, 0)`` blocked along axis 0), computed in
+the kernel, so the stochastic codes equal the XLA path's bit for bit too. Positions are 32-bit: the table refuses stochastic rounding of a
+tensor of 2**32 elements or more (the XLA path draws it).
 
 Layout. A tile is ``(TM, TK)`` of ``x`` with ``TM = 16 G`` tokens. Output element ``j`` of
 every 16-token group is a ``(G, TK)`` array; the 16 codes of a group and feature are packed
@@ -49,7 +49,7 @@ from fp4lab.numerics.quantize import check_amax_covers
 from fp4lab.numerics.scaling import NVFP4Scale
 from fp4lab.numerics.rounding import abs_max
 from pallas_kernels.common import (abs_max_bits, bits, check_input, compiler_params, e2m1_code,
-                                   from_bits, hash_uniform, interpret_mode, nvfp4_scales,
+                                   from_bits, sr_key_words, sr_uniform, KEY_SPEC, interpret_mode, nvfp4_scales,
                                    padded_matrix, stochastic_e2m1, tile_size)
 from pallas_kernels.quantize import KernelConfig
 
@@ -82,25 +82,24 @@ def _amax_kernel(x_ref, amax_ref, *, signs, dtype):
     amax_ref[...] = abs_max_bits(abs_max_bits(m, 1), 0)  # one axis at a time (Triton)
 
 
-def _quantize_kernel(amax_ref, seed_ref, x_ref, q_ref, s_ref, *, signs, dtype, stochastic,
-                     m_total, interpret):
+def _quantize_kernel(amax_ref, key_ref, x_ref, q_ref, s_ref, *, signs, dtype, stochastic,
+                     features, interpret):
     y = _transform(x_ref, signs, dtype)
     groups, tk = y[0].shape
     amax = amax_ref[...].reshape(1, 1)
     s_b, enc = nvfp4_scales(_group_abs_max(y), jnp.broadcast_to(amax, (groups, tk)),
                             interpret=interpret)
-    if stochastic:  # the position of (feature, token 16 g + j) in the (K, M) output
+    if stochastic:  # the position of (token 16 g + j, feature) in the (M16, K) operand
         group = lax.broadcasted_iota(jnp.uint32, (groups, tk), 0) + (
             pl.program_id(0) * groups).astype(jnp.uint32)
         col = lax.broadcasted_iota(jnp.uint32, (groups, tk), 1) + (
             pl.program_id(1) * tk).astype(jnp.uint32)
-        base = col * jnp.uint32(m_total) + group * jnp.uint32(16)
-        seed = seed_ref[...].reshape(1, 1)
+        base = group * jnp.uint32(16 * features) + col
     words = [jnp.zeros((groups, tk), jnp.uint32), jnp.zeros((groups, tk), jnp.uint32)]
     for j, v in enumerate(y):
         v = v * enc
         if stochastic:
-            v = stochastic_e2m1(v, hash_uniform(base + jnp.uint32(j), seed))
+            v = stochastic_e2m1(v, sr_uniform(base + jnp.uint32(j * features), key_ref))
         words[j // 8] = words[j // 8] | (e2m1_code(v).astype(jnp.uint32) << (4 * (j % 8)))
     q_ref[...] = jnp.stack([words[0].T, words[1].T], axis=-1).reshape(tk, 2 * groups)
     s_ref[...] = s_b.T
@@ -126,19 +125,18 @@ def _rht_quantize(x, key, global_amax, *, fmt, rounding, signs, cfg: KernelConfi
     else:
         amax = jnp.asarray(global_amax, jnp.float32)
     stochastic = rounding == "stochastic"
-    seed = (jax.random.bits(key, (), jnp.uint32) if stochastic else jnp.uint32(0))
+    words = sr_key_words(key if stochastic else None)
     words, s = pl.pallas_call(
         functools.partial(_quantize_kernel, signs=sign_vector, dtype=x.dtype,
-                          stochastic=stochastic, m_total=mp, interpret=interpret),
+                          stochastic=stochastic, features=k, interpret=interpret),
         out_shape=[jax.ShapeDtypeStruct((kp, mp // 8), jnp.uint32),
                    jax.ShapeDtypeStruct((kp, mp // 16), jnp.float8_e4m3fn)],
         grid=grid,
-        in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
-                  pl.BlockSpec((1, 1), lambda i, j: (0, 0)), x_spec],
+        in_specs=[pl.BlockSpec((1, 1), lambda i, j: (0, 0)), KEY_SPEC, x_spec],
         out_specs=[pl.BlockSpec((tk, tm // 8), lambda i, j: (j, i)),
                    pl.BlockSpec((tk, tm // 16), lambda i, j: (j, i))],
         interpret=interpret, compiler_params=params, name="fp4lab_rht_nvfp4_quantize",
-    )(amax.reshape(1, 1), seed.reshape(1, 1), x2)
+    )(amax.reshape(1, 1), words, x2)
     q = lax.bitcast_convert_type(words, jnp.uint8).reshape(kp, mp // 2)
     return QArray(q[:k, :m16 // 2], s[:k, :m16 // 16], amax, fmt, 1, None, (k, m16))
 

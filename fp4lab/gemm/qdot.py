@@ -274,8 +274,8 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", sta
         ``channels``), or a PRNG key alone (``GemmState(key=...)``); ``None``: none, which
         a recipe with stochastic rounding or delayed scaling refuses.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for the operand quantizers (see
-        :mod:`fp4lab.numerics.backend`); round-to-nearest kernels give the same bits,
-        stochastic rounding kernels other (equally unbiased) random bits.
+        :mod:`fp4lab.numerics.backend`); the kernels give the same bits, stochastic
+        rounding included (one random stream, :mod:`fp4lab.numerics.random_bits`).
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
       out_sharding: as ``lax.dot_general`` (Flax layers pass it): the output is constrained

@@ -15,9 +15,9 @@ XLA path is simply the path, and nothing is said). ``"xla"`` always takes the re
 ``"pallas"`` always takes a kernel (compiled on a GPU, interpret mode elsewhere) and raises
 when none serves the request.
 
-The kernels equal the reference bit for bit (round to nearest), so the choice changes speed,
-not results; stochastic rounding kernels are unbiased and deterministic per key but draw other
-random bits than ``jax.random``.
+The kernels equal the reference bit for bit, stochastic rounding included (both draw
+:mod:`fp4lab.numerics.random_bits` at each element's logical position), so the choice changes
+speed, not results.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Literal
 import jax
 
 from fp4lab.numerics.formats import ElementFormat, Format
+from fp4lab.numerics.random_bits import COUNTER_LIMIT
 
 __all__ = ["BACKENDS", "KernelFallback", "Request", "Kernel", "register", "kernels", "decide",
            "find", "refusal"]
@@ -105,10 +106,21 @@ class Kernel:
         if r.transform not in self.transforms:
             return f"the {self.name} kernel takes transforms {self.transforms}, not " \
                    f"{r.transform}"
+        if r.rounding == "stochastic" and _positions(r) >= COUNTER_LIMIT:
+            return (f"the {self.name} kernel counts stochastic-rounding positions in 32 bits; "
+                    f"shape {r.shape} has 2**32 elements or more")
         if self.ndims is not None and len(r.shape) not in self.ndims:
             return f"the {self.name} kernel takes rank {' or '.join(map(str, self.ndims))} " \
                    f"inputs, not shape {r.shape}"
         return None
+
+
+def _positions(r: Request) -> int:
+    """Elements of the quantized operand: the input's, its rows padded to the transform."""
+    if r.transform and r.shape:
+        rows = -(-r.shape[0] // r.transform) * r.transform
+        return rows * math.prod(r.shape[1:])
+    return math.prod(r.shape)
 
 
 _TABLE: dict[str, Kernel] = {}

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4lab.numerics import backend as _backend
+from fp4lab.numerics import random_bits
 from fp4lab.numerics import rounding as rnd
 from fp4lab.numerics.formats import Format, get_format
 from fp4lab.numerics.geometry import (Geometry, from_blocks, geometry, scale_from_blocks,
@@ -175,11 +176,12 @@ def quantize_blocks(x, fmt: Format, g: Geometry, rounding, key, global_amax) -> 
         stat = jnp.broadcast_to(global_amax, stat.shape)
     u_scale = None
     if scheme.stochastic_scale and rounding == "stochastic":
-        u_scale = rnd.uniform(key, stat.shape)  # one per block: the scale is rounded
+        u_scale = random_bits.uniform(key, stat.shape)  # one per block: the scale is rounded
     scale, mult = scheme.encode(xb, stat, tensor_amax, elem, g.reduce_axes, u_scale)
     v = scheme.scale_elements(xb, mult)
     if rounding == "stochastic" and not scheme.stochastic_scale:
-        q = scheme.round_stochastic(v, elem, rnd.uniform(key, v.shape))
+        # drawn at the elements' logical positions (the padding, all zeros, rounds to 0)
+        q = scheme.round_stochastic(v, elem, to_blocks(random_bits.uniform(key, g.shape), g))
     else:
         q = scheme.round_nearest(v, elem)
     if elem.kind == "int":

@@ -9,7 +9,8 @@ Conventions shared by the whole package:
   becomes +0 in formats without NaN (E2M1, integers) and the format's NaN in FP8.
 * Stochastic rounding rounds the magnitude up with probability ``(|v| - lo) / (hi - lo)``
   between its grid neighbours, from uniforms ``u`` in [0, 1) that the caller draws from an
-  explicit key: unbiased for ``|v| <= max``.
+  explicit key (:mod:`fp4lab.numerics.random_bits`, the one stream every backend draws):
+  unbiased for ``|v| <= max``.
 * Signs are kept, including on zero: ``-0.1`` rounds to ``-0.0`` (E2M1 code 0x8), as the
   hardware conversions do.
 """
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from fp4lab.numerics import random_bits
 
 if TYPE_CHECKING:  # formats imports scaling, which imports this module
     from fp4lab.numerics.formats import ElementFormat
@@ -37,7 +40,6 @@ __all__ = [
     "round_nearest",
     "round_stochastic",
     "round_to_bf16",
-    "uniform",
     "saturate",
     "round_nearest_ties",
     "grid_neighbours",
@@ -190,21 +192,15 @@ def stochastic_cast(v: jax.Array, fmt: ElementFormat, key: jax.Array) -> jax.Arr
     both, ``P(round up) = (|v| - lo) / (hi - lo)`` for the neighbours ``lo <= |v| < hi``."""
     v = v.astype(jnp.float32)
     if fmt.name == "fp16":
-        y = round_stochastic(v, fmt, uniform(key, v.shape))
+        y = round_stochastic(v, fmt, random_bits.uniform(key, v.shape))
     elif fmt.name == "bf16":
         a = jnp.minimum(jnp.abs(v), fmt.max)
-        noise = jax.random.bits(key, v.shape, jnp.uint32) >> 16
+        noise = random_bits.bits(key, v.shape) >> 16
         up = (float_bits(a) + noise) & jnp.uint32(0xFFFF0000)
         y = jnp.copysign(from_bits(up), v)
     else:
         raise ValueError(f"stochastic_cast rounds to bf16 or fp16, not {fmt.name}")
     return jnp.where(jnp.isfinite(v), y, v)
-
-
-def uniform(key: jax.Array, shape) -> jax.Array:
-    """Uniforms in [0, 1) with 24 random bits each, drawn from ``key``."""
-    bits = jax.random.bits(key, shape, jnp.uint32)
-    return (bits >> 8).astype(jnp.float32) * (2.0**-24)
 
 
 def encode(q: jax.Array, fmt: ElementFormat) -> jax.Array:

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 from oracles import papers as ro
 
-from fp4lab.numerics import rounding as rnd
 from fp4lab.numerics.quantize import dequantize, fake_quant, quantize
 
 F32 = np.float32
@@ -71,12 +70,13 @@ def assert_bits(got, want, what):
 
 
 def uniforms(fmt, key, shape):
-    """The uniforms fp4lab feeds its rounding, in the oracle's layout."""
+    """The uniforms fp4lab's rounding draws (fp4lab.numerics.random_bits: JAX's own Threefry
+    bits at each element's position, or one per block for a stochastic scale), in the oracle's
+    layout, computed here from ``jax.random.bits`` itself."""
     m, k = shape
-    b = ORACLES[fmt][1]
-    if ORACLES[fmt][2] == "scale":
-        return np.asarray(rnd.uniform(key, (m, k // 16, 1)))
-    return np.asarray(rnd.uniform(key, (m, k // b, b))).reshape(m, k)
+    draw = (m, k // 16, 1) if ORACLES[fmt][2] == "scale" else (m, k)
+    bits = np.asarray(jax.random.bits(key, draw, jnp.uint32))
+    return (bits >> 8).astype(np.float32) * np.float32(2.0**-24)
 
 
 def oracle(fmt, x, u=None, **kw):
