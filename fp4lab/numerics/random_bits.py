@@ -12,7 +12,9 @@ bit. Why this generator:
 
 * it *is* JAX's: every guarantee fp4lab makes about SR keys (one key per operand and step,
   split per scanned layer, MaxText's streams, resumed and multi-process runs) is a guarantee
-  about ``jax.random`` keys, and stays one; nothing drawn before this module changed;
+  about ``jax.random`` keys, and stays one. A key of another implementation (MaxText makes
+  ``unsafe_rbg`` its default) first gives the two words of a Threefry key (one
+  ``jax.random.bits`` draw of two numbers; :func:`key_words`), and the stream is that key's;
 * counter-based, so each element's bits are a pure function of (key, position): the XLA path
   computes them in the quantizer's own fused loop (:func:`counter_bits`, about 100 integer
   operations an element, ~1 ns on the CI CPU) instead of materializing ``jax.random.bits``'
@@ -76,35 +78,31 @@ def counter_bits(k0, k1, counter):
 
 
 def key_words(key) -> tuple[jax.Array, jax.Array]:
-    """The two uint32 key words of a Threefry PRNG key (typed ``jax.random.key`` or a raw
-    ``uint32[..., 2]``; leading batch dims are kept); ValueError for another implementation."""
+    """The two uint32 Threefry key words the stream of ``key`` is drawn under: a Threefry
+    key's own (typed ``jax.random.key`` or a raw ``uint32[..., 2]``), or for another
+    implementation (``rbg``, ``unsafe_rbg``: MaxText's default) two words drawn from it with
+    ``jax.random.bits``, one draw of two numbers. Leading batch dims are kept."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        name = str(jax.random.key_impl(key))
-        if "threefry" not in name:
-            raise ValueError(f"stochastic rounding draws Threefry-2x32 bits; key impl {name} "
-                             "is not threefry2x32 (use jax.random.key(seed))")
+        if "threefry" not in str(jax.random.key_impl(key)):
+            w = jax.random.bits(key, (2,), jnp.uint32)
+            return w[..., 0], w[..., 1]
         key = jax.random.key_data(key)
     return key[..., 0], key[..., 1]
 
 
-def _is_threefry(key) -> bool:
-    return (not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-            or "threefry" in str(jax.random.key_impl(key)))
-
-
 def bits(key, shape, counter=None) -> jax.Array:
-    """uint32 random bits shaped ``shape``, equal to ``jax.random.bits(key, shape,
-    jnp.uint32)`` with partitionable Threefry. ``counter``: the uint32 positions to draw at
-    instead of ``0 .. size - 1`` in row-major order (any array broadcasting to ``shape``; the
-    caller keeps them below :data:`COUNTER_LIMIT`)."""
+    """uint32 random bits shaped ``shape``: ``jax.random.bits(k, shape, jnp.uint32)`` with
+    partitionable Threefry, ``k`` the Threefry key of :func:`key_words` (``key`` itself for a
+    Threefry key). ``counter``: the uint32 positions to draw at instead of ``0 .. size - 1``
+    in row-major order (an array broadcasting to ``shape``, below :data:`COUNTER_LIMIT`)."""
     shape = tuple(shape)
-    if counter is None and (np.prod(shape, dtype=np.int64) >= COUNTER_LIMIT
-                            or not _is_threefry(key)):
-        with jax.threefry_partitionable(True):  # carries the high word; other impls as JAX
-            return jax.random.bits(key, shape, jnp.uint32)
+    k0, k1 = key_words(key)
+    if counter is None and np.prod(shape, dtype=np.int64) >= COUNTER_LIMIT:
+        threefry = jax.random.wrap_key_data(jnp.stack([k0, k1], -1), impl="threefry2x32")
+        with jax.threefry_partitionable(True):  # JAX's draw carries the counter's high word
+            return jax.random.bits(threefry, shape, jnp.uint32)
     if counter is None:
         counter = lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-    k0, k1 = key_words(key)
     return jnp.broadcast_to(counter_bits(k0, k1, counter), shape)
 
 

@@ -68,11 +68,21 @@ def test_beyond_32_bit_counters_draw_jax_bits():
     assert "random_bits" not in small
 
 
-def test_other_key_impls_draw_jax_bits():
-    key = jax.random.key(5, impl="rbg")
-    np.testing.assert_array_equal(np.asarray(rb.bits(key, (3, 4))), _jax_bits(key, (3, 4)))
-    with pytest.raises(ValueError, match="not threefry2x32"):
-        rb.key_words(key)
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_other_key_impls_draw_under_a_threefry_key_drawn_from_them(impl):
+    key = jax.random.key(5, impl=impl)
+    words = jax.random.bits(key, (2,), jnp.uint32)
+    want = _jax_bits(jax.random.wrap_key_data(words, impl="threefry2x32"), (3, 4))
+    np.testing.assert_array_equal(np.asarray(rb.bits(key, (3, 4))), want)
+    # batched keys, as vmap over scanned layers gives them (JAX's rbg draws under vmap are
+    # not its unbatched draws: the words are whatever JAX draws in that context)
+    keys = jax.random.split(key, 3)
+    got = np.asarray(jax.vmap(lambda k: rb.bits(k, (3, 4)))(keys))
+    batch_words = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
+    for i in range(3):
+        want = _jax_bits(jax.random.wrap_key_data(batch_words[i], impl="threefry2x32"), (3, 4))
+        np.testing.assert_array_equal(got[i], want)
+    assert not np.array_equal(got[0], got[1])
 
 
 # --------------------------------------------------------------------------- statistics

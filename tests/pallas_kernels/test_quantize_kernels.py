@@ -133,11 +133,13 @@ def test_nvfp4_tiles_of_a_stack_of_matrices():
 def test_stochastic_rounding_kernels_equal_the_reference_bit_for_bit(fmt, shape):
     """The kernels draw fp4lab.numerics.random_bits' stream at each element's logical
     position: their SR codes equal the XLA path's over several tiles, with tile and block
-    padding on both axes, for plain, split and folded keys (legacy uint32 keys too)."""
+    padding on both axes, for plain, split and folded keys (legacy uint32 keys and MaxText's
+    unsafe_rbg keys too)."""
     x = special(shape, jnp.float32, seed=4).at[(0,) * len(shape)].set(1e4)  # an outlier block
     f = jax.jit(lambda x, k: quantize(x, fmt, rounding="stochastic", key=k, config=SMALL))
     for key in (jax.random.key(0), jax.random.split(jax.random.key(1))[1],
-                jax.random.fold_in(jax.random.key(2), 7), jax.random.PRNGKey(3)):
+                jax.random.fold_in(jax.random.key(2), 7), jax.random.PRNGKey(3),
+                jax.random.key(4, impl="unsafe_rbg")):
         assert_same_qarray(f(x, key), fp4lab.quantize(x, fmt, rounding="stochastic", key=key))
     assert_same_qarray(quantize(x, fmt, rounding="stochastic", key=jax.random.key(0)),
                        fp4lab.quantize(x, fmt, rounding="stochastic", key=jax.random.key(0)))
