@@ -32,15 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from jax.experimental import pallas as pl
 
 from fp4lab.numerics.random_bits import counter_bits, key_words, to_uniform
 from fp4lab.numerics.rounding import from_bits, pow2
 
 __all__ = ["bits", "from_bits", "abs_bits", "minimum", "abs_max_bits", "div", "e2m1_code",
-           "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "sr_uniform", "sr_key_words", "KEY_SPEC", "stochastic_e2m1",
-           "element_index", "nvfp4_scales", "FLT_MAX",
+           "e2m1_value", "pack_pairs", "unpack_pairs", "pow2", "sr_uniform", "sr_key_words",
+           "KEY_SPEC", "stochastic_e2m1", "element_index", "nvfp4_scales", "FLT_MAX",
            # the wrappers' host-side pieces
            "check_input", "interpret_mode", "tile_size", "padded_matrix", "compiler_params"]
 

@@ -35,11 +35,11 @@ from fp4lab.numerics.qarray import QArray
 from fp4lab.numerics.quantize import check_amax_covers
 from fp4lab.numerics.rounding import abs_max
 from fp4lab.numerics.scaling import NVFP4Scale, PowerOfTwoScale
-from pallas_kernels.common import (abs_bits, abs_max_bits, bits, check_input, compiler_params,
-                                   e2m1_code, e2m1_value, element_index, from_bits, sr_key_words, sr_uniform, KEY_SPEC,
-                                   interpret_mode, minimum, nvfp4_scales, pack_pairs,
-                                   padded_matrix, pow2, stochastic_e2m1, tile_size,
-                                   unpack_pairs)
+from pallas_kernels.common import (KEY_SPEC, abs_bits, abs_max_bits, bits, check_input,
+                                   compiler_params, e2m1_code, e2m1_value, element_index,
+                                   from_bits, interpret_mode, minimum, nvfp4_scales, pack_pairs,
+                                   padded_matrix, pow2, sr_key_words, sr_uniform, stochastic_e2m1,
+                                   tile_size, unpack_pairs)
 
 __all__ = ["quantize", "quantize_weight_nvfp4", "dequantize", "supports", "KernelConfig",
            "KERNELS"]

@@ -21,8 +21,9 @@ With ``rounding="stochastic"`` (the recipe's setting) the uniforms are
 ``fp4lab.numerics.random_bits``'s: Threefry-2x32 of the key and each element's logical
 position in the tokens-first ``(M16, K)`` operand the GEMM quantizes (``token * K + feature``,
 as ``fp4lab.gemm``'s XLA path draws them for ``rht(x, 0)`` blocked along axis 0), computed in
-the kernel, so the stochastic codes equal the XLA path's bit for bit too. Positions are 32-bit: the table refuses stochastic rounding of a
-tensor of 2**32 elements or more (the XLA path draws it).
+the kernel, so the stochastic codes equal the XLA path's bit for bit too. Positions are 32-bit:
+the table refuses stochastic rounding of a tensor of 2**32 elements or more (the XLA path
+draws it).
 
 Layout. A tile is ``(TM, TK)`` of ``x`` with ``TM = 16 G`` tokens. Output element ``j`` of
 every 16-token group is a ``(G, TK)`` array; the 16 codes of a group and feature are packed
@@ -48,9 +49,10 @@ from fp4lab.numerics.qarray import QArray
 from fp4lab.numerics.quantize import check_amax_covers
 from fp4lab.numerics.scaling import NVFP4Scale
 from fp4lab.numerics.rounding import abs_max
-from pallas_kernels.common import (abs_max_bits, bits, check_input, compiler_params, e2m1_code,
-                                   from_bits, sr_key_words, sr_uniform, KEY_SPEC, interpret_mode, nvfp4_scales,
-                                   padded_matrix, stochastic_e2m1, tile_size)
+from pallas_kernels.common import (KEY_SPEC, abs_max_bits, bits, check_input, compiler_params,
+                                   e2m1_code, from_bits, interpret_mode, nvfp4_scales,
+                                   padded_matrix, sr_key_words, sr_uniform, stochastic_e2m1,
+                                   tile_size)
 from pallas_kernels.quantize import KernelConfig
 
 __all__ = ["rht_quantize_nvfp4"]
