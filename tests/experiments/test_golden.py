@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 # policy -> [(loss, grad_norm) of step 0, of step 1]: float32 values, written exactly
-# (generated at 77134df)
+# (generated at 77134df; nvfp4 at 2258bcb, whose SR draws at each element's logical position:
+# Mamba's in_proj output width, 148 here, pads to 160 in dgrad's dY blocks, which drew at the
+# padded positions before; the step-0 loss is SR-free, its gradient norm moved 1.3e-3 relative)
 GOLDEN = {
     'bf16': [(5.968050956726074, 2.0545425415039062),
              (5.982428550720215, 3.0850605964660645)],
-    'nvfp4': [(5.948171615600586, 2.03472638130188),
-              (5.98468017578125, 3.0487821102142334)],
+    'nvfp4': [(5.948171615600586, 2.0374562740325928),
+              (5.98468017578125, 3.045884132385254)],
     'mxfp8': [(5.959521293640137, 2.078355550765991),
               (5.969692230224609, 3.065049409866333)],
     'fp8_hybrid': [(5.979988098144531, 2.066983938217163),
