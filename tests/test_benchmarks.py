@@ -27,6 +27,26 @@ def test_benchmark_scripts_run_in_smoke_mode(capsys, monkeypatch):
     sys.modules.pop("train_step", None)
 
 
+def test_quantize_benchmark_modes(capsys, monkeypatch):
+    """benchmarks/quantize.py's three modes run; its loop count holds what docs/kernels.md
+    says: NVFP4 and MXFP8 fake_quant, with or without SR, read or write every element in two
+    loops (the amax pass and the rounding pass: the SR bits are computed in the latter)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import quantize
+
+    quantize.main(["--smoke", "--formats", "nvfp4,mxfp8", "--sr"])
+    quantize.main(["--sizes", "32,64", "--rounds", "1", "--sr", "--formats", "nvfp4"])
+    quantize.main(["--fusions", "--size", "256", "--formats", "nvfp4,mxfp8"])
+    out = capsys.readouterr().out
+    assert "| nvfp4 | fp4lab fake_quant SR |" in out and "| nvfp4 fp4lab fake_quant SR |" in out
+    full = {tuple(c.strip() for c in row.split("|")[1:3]): int(row.split("|")[4])
+            for row in out.splitlines() if row.count("|") == 5 and row.split("|")[4].strip()
+            .isdigit()}
+    assert full == {(f, v): 2 for f in ("nvfp4", "mxfp8")
+                    for v in ("fp4lab fake_quant", "fp4lab fake_quant SR")}, full
+    sys.modules.pop("quantize", None)
+
+
 @pytest.mark.slow
 def test_maxtext_step_benchmark_runs_each_kind_of_variant(tmp_path):
     """benchmarks/maxtext_step.py in MaxText's environment, one round of 3 steps of a 1-layer
