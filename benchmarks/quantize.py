@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 import fp4lab
 from fp4lab.numerics.formats import FORMATS
+from fp4lab.numerics.quantize import check_arguments
 
 
 def peers(x):
@@ -78,8 +79,12 @@ def peers(x):
 
 
 def _stochastic_ok(name) -> bool:
-    fmt = fp4lab.get_format(name)
-    return fmt.scaling.stochastic_ok if not fmt.is_passthrough else fmt.name in ("bf16", "fp16")
+    """Whether fp4lab rounds ``name`` stochastically (its own argument check decides)."""
+    try:
+        check_arguments(jnp.zeros((2, 64)), name, rounding="stochastic", key=jax.random.key(0))
+    except ValueError:
+        return False
+    return True
 
 
 def fp4lab_variants(formats, sr: bool):

@@ -90,20 +90,18 @@ def key_words(key) -> tuple[jax.Array, jax.Array]:
     return key[..., 0], key[..., 1]
 
 
-def bits(key, shape, counter=None) -> jax.Array:
+def bits(key, shape) -> jax.Array:
     """uint32 random bits shaped ``shape``: ``jax.random.bits(k, shape, jnp.uint32)`` with
     partitionable Threefry, ``k`` the Threefry key of :func:`key_words` (``key`` itself for a
-    Threefry key). ``counter``: the uint32 positions to draw at instead of ``0 .. size - 1``
-    in row-major order (an array broadcasting to ``shape``, below :data:`COUNTER_LIMIT`)."""
+    Threefry key): :func:`counter_bits` of the row-major positions ``0 .. size - 1``."""
     shape = tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
     k0, k1 = key_words(key)
-    if counter is None and np.prod(shape, dtype=np.int64) >= COUNTER_LIMIT:
+    if size >= COUNTER_LIMIT:
         threefry = jax.random.wrap_key_data(jnp.stack([k0, k1], -1), impl="threefry2x32")
         with jax.threefry_partitionable(True):  # JAX's draw carries the counter's high word
             return jax.random.bits(threefry, shape, jnp.uint32)
-    if counter is None:
-        counter = lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-    return jnp.broadcast_to(counter_bits(k0, k1, counter), shape)
+    return counter_bits(k0, k1, lax.iota(jnp.uint32, size).reshape(shape))
 
 
 def to_uniform(b):
@@ -111,6 +109,6 @@ def to_uniform(b):
     return lax.shift_right_logical(b, jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
 
 
-def uniform(key, shape, counter=None) -> jax.Array:
+def uniform(key, shape) -> jax.Array:
     """Uniforms in [0, 1) with 24 random bits each: :func:`to_uniform` of :func:`bits`."""
-    return to_uniform(bits(key, shape, counter))
+    return to_uniform(bits(key, shape))
