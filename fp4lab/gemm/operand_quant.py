@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from fp4lab.numerics import backend as _backend
 from fp4lab.features.delayed import history_amax
 from fp4lab.numerics.hadamard import random_signs, rht
-from fp4lab.numerics.quantize import dequantize, fake_quant_operand
+from fp4lab.numerics.quantize import (GemmOperand, fake_quant_operand, gemm_operand,
+                                     split_dequantize)
 from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
 __all__ = ["AXIS", "OperandContext", "operand_keys", "operand_signs", "quantize_operand"]
@@ -53,9 +54,12 @@ def operand_signs(recipe: Recipe, key, names=None) -> dict:
 
 
 def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
-                     backend: str = "auto", global_amax=None) -> jax.Array:
+                     backend: str = "auto", global_amax=None, outer: bool = True
+                     ) -> GemmOperand:
     """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
-    cast (BF16/FP16/FP32) or fake quantization to float32 (exact dequantized values).
+    cast (BF16/FP16/FP32, or stochastic rounding onto BF16/FP16) or quantization, as the GEMM
+    multiplies it (:class:`~fp4lab.numerics.quantize.GemmOperand`: the values, the factor
+    applied after the product; ``outer=False``: none, every multiplier on the values).
 
     On the kernel backend, an NVFP4 operand with a 16-point RHT blocked along the token axis
     of a ``(1, M, K)`` canonical operand (the wgrad operands of one linear layer) goes through
@@ -68,22 +72,21 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
             op="rht_quantize", format=op.format, shape=tokens_first.shape, axis=-2,
             rounding=op.rounding, transform=op.hadamard), strict=True)
         if kernel is not None:
-            q = kernel.fn(tokens_first, op.format, key, rounding=op.rounding, signs=signs)
-            return dequantize(q, jnp.float32, backend=backend).T[None]
+            q = split_dequantize(kernel.fn(tokens_first, op.format, key, rounding=op.rounding,
+                                           signs=signs), outer)
+            # the outer factor of a per-tensor scheme is a scalar
+            return q._replace(values=q.values.T[None])
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
     if op.format.is_passthrough:
         if op.rounding == "stochastic":  # SR onto the BF16/FP16 grid
-            return fake_quant_operand(x.astype(jnp.float32), op.format, rounding="stochastic",
-                                      key=key).astype(op.format.element.storage)
-        return x.astype(op.format.element.storage)
-    axis = -1 if op.tile else axis % x.ndim - x.ndim
-    # in a GEMM, "pallas" means kernels where they exist: an operand without one falls back
-    # to XLA with a KernelFallback warning instead of failing the whole GEMM
-    return fake_quant_operand(x.astype(jnp.float32), op.format, axis=axis, tile=op.tile,
-                              rounding=op.rounding, key=key, backend=backend,
-                              global_amax=global_amax, strict=True)
-
+            return GemmOperand(fake_quant_operand(
+                x.astype(jnp.float32), op.format, rounding="stochastic",
+                key=key).astype(op.format.element.storage))
+        return GemmOperand(x.astype(op.format.element.storage))
+    return gemm_operand(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+                        tile=op.tile, rounding=op.rounding, key=key, backend=backend,
+                        global_amax=global_amax, outer=outer)
 
 
 class OperandContext(NamedTuple):
@@ -100,6 +103,6 @@ class OperandContext(NamedTuple):
             amax[name] = history_amax(history[OPERANDS.index(name)], recipe.delayed)
         return cls(operand_keys(key), amax, operand_signs(recipe, key))
 
-    def quantize(self, name: str, t, recipe: Recipe, backend):
+    def quantize(self, name: str, t, recipe: Recipe, backend, outer: bool = True):
         return quantize_operand(t, recipe.operands[name], AXIS[name], self.keys[name],
-                                self.signs[name], backend, self.amax[name])
+                                self.signs[name], backend, self.amax[name], outer)

@@ -2,11 +2,13 @@
 
 The forward GEMM and the two backward GEMMs each quantize their operands as a
 :class:`~fp4lab.gemm.recipe.Recipe` says (see ``fp4lab.gemm.recipe`` for the three GEMMs and their
-quantization axes), from the high-precision values, and accumulate in float32. Quantized
-operands are dequantized to float32 and multiplied with ``Precision.HIGHEST``: on hardware
-without FP4/FP8 tensor cores this emulates a block-scaled GEMM with FP32 accumulation (the
-products are exact; only the summation order may differ from a hardware kernel). Pass-through
-formats (``bf16``) are plain casts, so the ``bf16`` recipe equals a plain BF16 dot exactly.
+quantization axes), from the high-precision values, and accumulate in float32. They multiply
+what a block-scaled tensor core multiplies: the elements times their block scales (in BF16
+where those are BF16 numbers, else float32 at ``Precision.HIGHEST``), accumulated in float32,
+then scaled once by the per-tensor factors (NVFP4's ``alpha``, FP8's ``scale_inv``;
+docs/numerics.md, "The GEMM"). The products are exact; only the summation order may differ
+from a hardware kernel. Pass-through formats (``bf16``) are plain casts, so the ``bf16``
+recipe equals a plain BF16 dot exactly.
 
 Any ``dimension_numbers`` are supported: operands are canonicalized to ``X: (B, M, K)`` and
 ``W: (B, K, N)`` (batch, free and contracting dims each flattened, as TE does), so the
@@ -47,18 +49,71 @@ from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_signs
 from fp4lab.features.outcontrol import split_gemm
 from fp4lab.features.probes import measure
 from fp4lab.gemm.state import GemmState, check_gemm_state
-from fp4lab.numerics.quantize import dequantize, quantize, trust_mask
+from fp4lab.numerics import rounding as rnd
+from fp4lab.numerics.quantize import GemmOperand, quantize, split_dequantize, trust_mask
+from fp4lab.numerics.scaling import Outer
 from fp4lab.gemm.recipe import OPERAND_TABLE, OperandQuant, Recipe, get_recipe
 from fp4lab.numerics.rounding import abs_max
 
 __all__ = ["qdot_general", "qeinsum", "saved_bytes"]
 
-def _mm(a, b, dn):
-    """A GEMM with float32 accumulation; float32 operands use full float32 precision."""
+def _dot(a, b, dn):
+    """``dot_general`` with float32 accumulation; float32 operands use full float32 precision."""
     dt = jnp.promote_types(a.dtype, b.dtype)
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a.astype(dt), b.astype(dt), dn, precision=precision,
                            preferred_element_type=jnp.float32)
+
+
+def _on_output(outer: Outer | None, dn, lhs: bool) -> tuple | None:
+    """An operand's outer factor and divisor laid out for the GEMM's output
+    ``(B, lhs free, rhs free)`` (size 1 along the other operand's free axis)."""
+    if outer is None:
+        return None
+    contracting = dn[0][0 if lhs else 1][0]
+
+    def place(t):
+        if t.ndim == 0:
+            return t
+        t = jnp.squeeze(t, contracting)
+        return t[:, :, None] if lhs else t[:, None, :]
+    return place(outer.factor), place(outer.divisor)
+
+
+def _folded(t: GemmOperand, contracting: int) -> GemmOperand:
+    """``t`` with its outer factor multiplied into the values where it varies along this
+    GEMM's reduction (QAT's backward reuses the forward's per-channel W along the other axis):
+    ``fl(v * fl(factor * fl(1 / divisor)))``, float32."""
+    if t.outer is None or all(a.ndim == 0 or a.shape[contracting] == 1 for a in t.outer):
+        return t
+    m = t.outer.factor * rnd.div(jnp.float32(1), t.outer.divisor)
+    return GemmOperand(rnd.opaque(t.values.astype(jnp.float32) * m))
+
+
+def _alpha(a: GemmOperand, b: GemmOperand, dn):
+    """``fl(fl(factor_a * factor_b) * fl(1 / (divisor_a * divisor_b)))``: the scale the
+    hardware applies to the product (TE's NVFP4 ``alpha``), None where neither has one."""
+    parts = [p for p in (_on_output(a.outer, dn, True), _on_output(b.outer, dn, False)) if p]
+    if not parts:
+        return None
+    (factor, divisor), *other = parts
+    for f, d in other:
+        factor, divisor = factor * f, divisor * d
+    # rounding.div's quotient is opaque: no constant for XLA to reassociate the product with
+    return factor * rnd.div(jnp.float32(1), divisor)
+
+
+def _mm(a, b, dn):
+    """The GEMM of two operands (:class:`~fp4lab.numerics.quantize.GemmOperand`, or arrays
+    taken as they are) as the hardware computes it: the products of the values, in BF16 where
+    both are BF16 numbers, accumulated in float32, then scaled by the outer factors
+    (docs/numerics.md, "The GEMM")."""
+    a, b = (t if isinstance(t, GemmOperand) else GemmOperand(t) for t in (a, b))
+    a, b = _folded(a, dn[0][0][0]), _folded(b, dn[0][1][0])
+    y = _dot(a.values, b.values, dn)
+    alpha = _alpha(a, b, dn)
+    # behind a barrier: a consumer's addition must not contract with the scaling into an FMA
+    return y if alpha is None else rnd.opaque(y * alpha)
 
 
 # ----------------------------------------------------------------------------- the core GEMM
@@ -70,8 +125,8 @@ class _Residuals(NamedTuple):
     x: jax.Array  # X as saved (recipe.saved_x), or a zero-size stand-in of its dtype
     w: jax.Array  # W, or a stand-in
     key: jax.Array | None
-    xq: jax.Array | None  # the forward's quantized X and W: QAT and requantizing recipes
-    wq: jax.Array | None
+    xq: GemmOperand | None  # the forward's quantized X and W: QAT and requantizing recipes
+    wq: GemmOperand | None
     qw: object  # the forward's tiled QArray weight, reused by dgrad
     masks: tuple | None  # the trust masks of X and W
     fwd_probes: jax.Array | None
@@ -81,11 +136,19 @@ class _Residuals(NamedTuple):
 def _weight(w, recipe: Recipe, ctx: OperandContext, backend):
     """fprop W, and a QArray to reuse in dgrad when both GEMMs use the same tiled spec."""
     op = recipe.fprop_w
+    outer = not recipe.requantizes
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
         qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
                       key=ctx.keys["fprop_w"], backend=backend)
-        return dequantize(qw), qw
-    return ctx.quantize("fprop_w", w, recipe, backend), None
+        return split_dequantize(qw, outer), qw
+    return ctx.quantize("fprop_w", w, recipe, backend, outer), None
+
+
+def _dequantized(t: GemmOperand) -> jax.Array:
+    """The values the forward multiplied, every multiplier applied (the forward quantizes with
+    ``outer=False`` where the recipe requantizes), in float32 for the backward to requantize."""
+    assert t.outer is None, "requantized operands are quantized with outer=False"
+    return t.values.astype(jnp.float32)
 
 
 def _trust_masks(x, w, recipe: Recipe):
@@ -107,10 +170,10 @@ def _backward(res: _Residuals, x, dy, recipe: Recipe, ctx: OperandContext, backe
         return _mm(dy, res.wq, BMN_BKN), _mm(res.xq, dy, BMK_BMN)
     q = functools.partial(ctx.quantize, recipe=recipe, backend=backend)
     if recipe.dgrad_w.source == "forward":
-        wq = q("dgrad_w", res.wq)
+        wq = q("dgrad_w", _dequantized(res.wq))
     else:
-        wq = dequantize(res.qw) if res.qw is not None else q("dgrad_w", res.w)
-    x_src = res.xq if recipe.wgrad_x.source == "forward" else x
+        wq = split_dequantize(res.qw) if res.qw is not None else q("dgrad_w", res.w)
+    x_src = _dequantized(res.xq) if recipe.wgrad_x.source == "forward" else x
     dx = _mm(q("dgrad_dy", dy), wq, BMN_BKN)
     dw = _mm(q("wgrad_x", x_src), q("wgrad_dy", dy), BMK_BMN)
     masks = res.masks or (None, None)
@@ -173,7 +236,7 @@ def _gemm(recipe: Recipe, out_dtype, dy_dtype, backend, x, w, key, probe, histor
 def _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history):
     ctx = OperandContext.of(recipe, key, history)
     wq, qw = _weight(w, recipe, ctx, backend)
-    xq = ctx.quantize("fprop_x", x, recipe, backend)
+    xq = ctx.quantize("fprop_x", x, recipe, backend, not recipe.requantizes)
     y = _mm(xq, wq, BMK_BKN)
     keep = recipe.backward == "ste" or recipe.requantizes
     res = _Residuals(
@@ -193,7 +256,9 @@ def _gemm_bwd(recipe, out_dtype, dy_dtype, backend, res: _Residuals, g):
     dy = lax.optimization_barrier(g.astype(dy_dtype))
     ctx = OperandContext.of(recipe, res.key, res.history)
     dx, dw = _backward(res, x, dy, recipe, ctx, backend)
-    tensors = {"x": x, "w": res.w, "dy": dy, "fwd_x": res.xq, "fwd_w": res.wq}
+    tensors = {"x": x, "w": res.w, "dy": dy}
+    if recipe.requantizes:
+        tensors.update(fwd_x=_dequantized(res.xq), fwd_w=_dequantized(res.wq))
     probes = None if res.fwd_probes is None else jnp.concatenate(
         [res.fwd_probes, measure(recipe, tensors, *ctx, ("dgrad", "wgrad"))])
     return (dx.astype(x.dtype), dw.astype(res.w.dtype), None, probes,

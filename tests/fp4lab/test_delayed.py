@@ -98,11 +98,15 @@ def test_forward_operand_equals_fake_quant_with_the_history_amax():
     y = qdot_general(x, w, DN, r, GemmState(amax_history=hist),
                      preferred_element_type=jnp.float32)
     # under jit: the history's amax may lie below the tensor's (eagerly that is refused)
-    lagging = jax.jit(lambda t, a: fp4lab.fake_quant(t, "fp8_e4m3", global_amax=a))
+    lagging = jax.jit(lambda t, a: fp4lab.quantize(t, "fp8_e4m3", global_amax=a))
     xq = lagging(jnp.asarray(x), F32(3.0))
     wq = lagging(jnp.asarray(w), F32(0.25))
-    want = jnp.matmul(xq, wq, precision=jax.lax.Precision.HIGHEST)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    # the GEMM multiplies the FP8 elements and scales the product by scale_inv_x * scale_inv_w
+    # (docs/numerics.md, "The GEMM")
+    prod = jnp.matmul(xq.data.astype(jnp.bfloat16), wq.data.astype(jnp.bfloat16),
+                      preferred_element_type=jnp.float32)
+    alpha = np.asarray(xq.scale, F32) * np.asarray(wq.scale, F32)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(prod) * alpha)
 
 
 def test_history_is_required_and_checked():

@@ -3,6 +3,7 @@ quantize/dequantize/dot."""
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import fp4lab
+from fp4lab.numerics import scaling
 from fp4lab.numerics.hadamard import hadamard_matrix, rht, rht_matrix
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import RECIPES, OperandQuant, get_recipe
@@ -30,9 +32,15 @@ def data(m=48, k=64, n=32, dtype=jnp.bfloat16):
 def oracle_operand(v, op, axis, key, signs="te", amax=None):
     """The operand as the recipe spec says, composed explicitly from the public API
     (``amax``: the delayed-scaling amax of a per-tensor operand; below max|v| it saturates
-    v, as delayed scaling does). Composed under jit: op by op, the oracles compiled some 270
-    one-operation programs per shape; test_rewrites holds the compiled transforms and
-    quantizers to the NumPy oracles."""
+    v, as delayed scaling does): its dequantized values. Composed under jit: op by op, the
+    oracles compiled some 270 one-operation programs per shape; test_rewrites holds the
+    compiled transforms and quantizers to the NumPy oracles."""
+    q = quantized_operand(v, op, axis, key, signs, amax)
+    return q if op.format.is_passthrough else fp4lab.dequantize(q)
+
+
+def quantized_operand(v, op, axis, key, signs="te", amax=None):
+    """The operand's QArray (its cast values for a pass-through format)."""
     if isinstance(signs, jax.Array):  # drawn signs: an argument, the rest static
         return _operand(v, key, amax, signs, op=op, axis=axis, signs=None)
     return _operand(v, key, amax, None, op=op, axis=axis, signs=signs)
@@ -44,9 +52,80 @@ def _operand(v, key, amax, drawn_signs, *, op, axis, signs):
         v = rht(v, axis, op.hadamard, signs if drawn_signs is None else drawn_signs)
     if op.format.is_passthrough:
         return v.astype(op.format.element.storage)
-    return fp4lab.dequantize(fp4lab.quantize(
-        v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis, tile=op.tile,
-        rounding=op.rounding, key=key, global_amax=amax))
+    return fp4lab.quantize(v.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
+                           tile=op.tile, rounding=op.rounding, key=key, global_amax=amax)
+
+
+class Op(NamedTuple):
+    """An oracle GEMM operand (docs/numerics.md, "The GEMM"): the values ``v`` the GEMM
+    multiplies and the ``factor`` / ``divisor`` it scales its product by (NumPy float32,
+    broadcastable to ``v`` with size 1 along the reduction)."""
+
+    v: jax.Array
+    factor: np.ndarray = np.float32(1)
+    divisor: np.ndarray = np.float32(1)
+    bf16: bool = False  # whether the format's values are BF16 numbers (else: v's dtype)
+
+    @property
+    def T(self):
+        return self._replace(v=self.v.T, factor=np.transpose(self.factor),
+                             divisor=np.transpose(self.divisor))
+
+
+NVFP4_SCHEMES = (scaling.NVFP4Scale, scaling.RowScaledNVFP4Scale, scaling.FourOverSixScale)
+
+
+def gemm_operand(v, op, axis, key, signs="te", amax=None) -> Op:
+    """The operand as the GEMM multiplies it, from its QArray: NVFP4 (TE's GEMM) multiplies
+    ``q * s`` (the decode with amax 0) and scales the product by ``amax / 6E``; per-tensor and
+    per-channel abs-max scales (FP8 scale_inv) after the product; everything else as
+    dequantized."""
+    q = quantized_operand(v, op, axis, key, signs, amax)
+    if op.format.is_passthrough:
+        return Op(q, bf16=q.dtype == jnp.bfloat16)
+    scheme = q.format.scaling
+    keepdims = [1 if i == axis else n for i, n in enumerate(q.shape)]
+    if isinstance(scheme, NVFP4_SCHEMES):
+        amax = np.asarray(q.global_scale, np.float32)
+        amax = amax.reshape(keepdims if amax.size > 1 else ())
+        six_e = 6 * getattr(scheme, "e4m3_max", 448)
+        inner = fp4lab.dequantize(dataclasses.replace(
+            q, global_scale=jnp.zeros_like(q.global_scale)))
+        return Op(inner, np.where(amax == 0, 1, amax).astype(np.float32),
+                  np.where(amax == 0, 1, six_e).astype(np.float32), True)
+    if isinstance(scheme, scaling.AbsMaxScale) and (q.scale.size == 1 or (
+            op.tile is None and q.scale.shape[axis] == 1)):
+        scale = np.asarray(q.scale, np.float32)
+        inner = fp4lab.dequantize(dataclasses.replace(q, scale=jnp.ones_like(q.scale)))
+        return Op(inner, scale.reshape(keepdims if scale.size > 1 else ()), bf16=True)
+    # MX values (E8M0 scales) are multiplied as BF16, the others as dequantized (float32)
+    return Op(fp4lab.dequantize(q), bf16=isinstance(scheme, scaling.E8M0Scale))
+
+
+def folded(t: Op, axis: int) -> Op:
+    """``t`` with a factor that varies along the reduction ``axis`` multiplied into the
+    values (QAT's backward with the forward's per-channel W): ``fl(v * fl(f * fl(1 / d)))``."""
+    if all(np.ndim(a) == 0 or np.shape(a)[axis] == 1 for a in (t.factor, t.divisor)):
+        return t
+    f32 = np.float32
+    m = f32(t.factor) * (f32(1) / f32(t.divisor))
+    return Op(jnp.asarray(np.asarray(t.v, f32) * m.astype(f32)))
+
+
+def gemm(a, b):
+    """``a @ b`` as the quantized GEMM computes it: the values' products accumulated in
+    float32 (BF16 operands where both are BF16 numbers, which only the order of the sum can
+    tell), then ``fl(product * fl(fl(fa * fb) * fl(1 / (da * db))))`` in NumPy float32."""
+    a, b = (t if isinstance(t, Op) else Op(t, bf16=t.dtype == jnp.bfloat16) for t in (a, b))
+    a, b = folded(a, 1), folded(b, 0)
+    both = a.bf16 and b.bf16
+    y = np.asarray(dot(*(jnp.asarray(t.v).astype(jnp.bfloat16) if both else t.v
+                         for t in (a, b))))
+    if all(np.all(t.factor == 1) and np.all(t.divisor == 1) for t in (a, b)):
+        return jnp.asarray(y)
+    f32 = np.float32
+    alpha = (f32(a.factor) * f32(b.factor)) * (f32(1) / (f32(a.divisor) * f32(b.divisor)))
+    return jnp.asarray(y * alpha.astype(f32))
 
 
 def history_for(recipe):
@@ -122,27 +201,28 @@ def oracle_in_basis(x, w, g, r, key):
     k = [None if key is None else jax.random.fold_in(key, i) for i in range(6)]
     h = history_for(r)
     a = [None if h is None else jnp.max(h[i]) for i in range(6)]
-    xq = oracle_operand(x, r.fprop_x, 1, k[0], amax=a[0])
-    wq = oracle_operand(w, r.fprop_w, 0, k[1], amax=a[1])
-    y = dot(xq, wq)
+    split = gemm_operand if not r.requantizes else lambda *a, **k: Op(oracle_operand(*a, **k))
+    xq = split(x, r.fprop_x, 1, k[0], amax=a[0])
+    wq = split(w, r.fprop_w, 0, k[1], amax=a[1])
+    y = gemm(xq, wq)
     if r.backward == "ste":
-        return y, dot(g, wq.T), dot(xq.T, g)
-    dyq = oracle_operand(g, r.dgrad_dy, 1, k[2], signs_of(r, "dgrad_dy", key), amax=a[2])
+        return y, gemm(g, wq.T), gemm(xq.T, g)
+    dyq = gemm_operand(g, r.dgrad_dy, 1, k[2], signs_of(r, "dgrad_dy", key), amax=a[2])
     if r.dgrad_w.source == "forward":
-        wq2 = oracle_operand(wq, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key))
+        wq2 = gemm_operand(wq.v, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key))
     elif r.fprop_w.tile and r.fprop_w == r.dgrad_w:
         wq2 = wq
     else:
-        wq2 = oracle_operand(w, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key), amax=a[3])
-    dx = dot(dyq, wq2.T)
+        wq2 = gemm_operand(w, r.dgrad_w, 1, k[3], signs_of(r, "dgrad_w", key), amax=a[3])
+    dx = gemm(dyq, wq2.T)
     if r.trust:
         dx = jnp.where(trust_oracle(x, r.fprop_x, 1), dx, 0)
     if r.saved_x is not None:  # the backward pass finds X as stored: DQ(Q(X)) along K
         x = oracle_operand(x, OperandQuant(format=r.saved_x.format), 1, None).astype(x.dtype)
-    x_src = xq if r.wgrad_x.source == "forward" else x
-    xq3 = oracle_operand(x_src, r.wgrad_x, 0, k[4], signs_of(r, "wgrad_x", key), amax=a[4])
-    dyq3 = oracle_operand(g, r.wgrad_dy, 0, k[5], signs_of(r, "wgrad_dy", key), amax=a[5])
-    dw = dot(xq3.T, dyq3)
+    x_src = xq.v if r.wgrad_x.source == "forward" else x
+    xq3 = gemm_operand(x_src, r.wgrad_x, 0, k[4], signs_of(r, "wgrad_x", key), amax=a[4])
+    dyq3 = gemm_operand(g, r.wgrad_dy, 0, k[5], signs_of(r, "wgrad_dy", key), amax=a[5])
+    dw = gemm(xq3.T, dyq3)
     if r.trust:
         dw = jnp.where(trust_oracle(w, r.fprop_w, 0), dw, 0)
     return y, dx, dw
@@ -301,9 +381,14 @@ def test_general_dimension_numbers_and_batch_dims():
 def test_contracting_size_not_a_multiple_of_the_block_is_padded():
     x = jax.random.normal(jax.random.key(4), (8, 40))  # K = 40: NVFP4 pads to 48
     w = jax.random.normal(jax.random.key(5), (40, 8))
-    y = qdot_general(x, w, DN, "nvfp4_no_sr")
-    e = dot(fp4lab.fake_quant(x, "nvfp4"), fp4lab.fake_quant(w, "nvfp4", tile=(16, 16)))
+    r = get_recipe("nvfp4_no_sr")
+    y = qdot_general(x, w, DN, r)
+    e = gemm(gemm_operand(x, r.fprop_x, 1, None), gemm_operand(w, r.fprop_w, 0, None))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(e.astype(y.dtype)))
+    # the padding adds nothing: the float64 product of the dequantized operands
+    exact = np.asarray(fp4lab.fake_quant(x, "nvfp4"), np.float64) @ np.asarray(
+        fp4lab.fake_quant(w, "nvfp4", tile=(16, 16)), np.float64)
+    np.testing.assert_allclose(np.asarray(y), exact, rtol=2e-6, atol=1e-6)
 
 
 def test_bad_inputs():

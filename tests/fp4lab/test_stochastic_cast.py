@@ -88,9 +88,9 @@ def test_a_recipe_operand_can_round_stochastically_to_bf16():
     x = jax.random.normal(jax.random.key(0), (1, 8, 64)) * (1 + 2.0 ** -10)
     op = OperandQuant(format="bf16", rounding="stochastic")
     keys = jax.random.split(jax.random.key(1), 2)
-    a, b = (np.asarray(quantize_operand(x, op, 2, k), np.float32) for k in keys)
+    a, b = (np.asarray(quantize_operand(x, op, 2, k).values, np.float32) for k in keys)
     assert a.dtype == np.float32 and not np.array_equal(a, b)  # the key decides
     nearest = np.asarray(quantize_operand(x, dataclasses.replace(op, rounding="nearest"), 2,
-                                          keys[0]), np.float32)
+                                          keys[0]).values, np.float32)
     lo, hi = _neighbours(np.asarray(x), "bf16")
     assert np.all((np.abs(a) == lo) | (np.abs(a) == hi)) and not np.array_equal(a, nearest)

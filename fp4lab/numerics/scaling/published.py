@@ -17,8 +17,8 @@ import numpy as np
 
 from fp4lab.numerics import rounding
 from fp4lab.numerics.scaling.standard import (
-    E4M3_SCALE, F32, FLT_MAX, E8M0Scale, ScaleScheme, _f32_div, group_blocks, nvfp4_encode_factor,
-    nvfp4_multiplier)
+    E4M3_SCALE, F32, FLT_MAX, E8M0Scale, ScaleScheme, _f32_div, group_blocks, nvfp4_bf16_values,
+    nvfp4_encode_factor, nvfp4_multiplier, nvfp4_split)
 
 __all__ = ["FourOverSixScale", "QuESTScale", "TsengScale", "Quartet2Scale", "EdenScale",
            "DoubleBlockScale", "EncodeFactorE4M3Scale"]
@@ -89,6 +89,12 @@ class FourOverSixScale(ScaleScheme):
 
     def multipliers(self, scale, tensor_amax, element):
         return nvfp4_multiplier(scale, tensor_amax, 6 * self.e4m3_max)
+
+    def gemm_split(self, scale, tensor_amax, element):
+        return nvfp4_split(scale, tensor_amax, 6 * self.e4m3_max)
+
+    def bf16_values(self, element):
+        return nvfp4_bf16_values(element)
 
 
 def _sum_in_order(a, axis):

@@ -17,8 +17,9 @@ from fp4lab.numerics import rounding
 
 __all__ = ["ScaleStorage", "ScaleScheme", "NoScale", "AbsMaxScale", "NVFP4Scale",
            "RowScaledNVFP4Scale", "E8M0Scale", "PowerOfTwoScale", "CeilPowerOfTwoScale",
-           "GGMLQ4_0Scale", "GGMLQ8_0Scale", "group_blocks", "nvfp4_encode_factor",
-           "nvfp4_multiplier", "NO_SCALE", "FP32_SCALE", "FP16_SCALE", "E4M3_SCALE", "E8M0_SCALE"]
+           "GGMLQ4_0Scale", "GGMLQ8_0Scale", "Outer", "group_blocks", "nvfp4_encode_factor",
+           "nvfp4_multiplier", "nvfp4_split", "nvfp4_bf16_values", "fits_bf16", "significant_bits",
+           "NO_SCALE", "FP32_SCALE", "FP16_SCALE", "E4M3_SCALE", "E8M0_SCALE"]
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -37,6 +38,34 @@ FP32_SCALE = ScaleStorage("float32", "fp32", 32)
 FP16_SCALE = ScaleStorage("float16", "fp16", 16)
 E4M3_SCALE = ScaleStorage("float8_e4m3fn", "e4m3", 8)
 E8M0_SCALE = ScaleStorage("uint8", "e8m0", 8)
+
+
+class Outer(NamedTuple):
+    """The part of a decode that a GEMM applies to its product instead of to the elements, as
+    the hardware does (TE's NVFP4 GEMM takes the global scales as cuBLAS's ``alpha``, FP8 GEMMs
+    the per-tensor ``scale_inv``): ``factor / divisor``, both float32, broadcastable to the
+    blocks and constant along the block axis. A GEMM of two operands scales its float32
+    product by ``alpha = fl(fl(factor_x * factor_w) * fl(1 / (divisor_x * divisor_w)))``
+    (TE's ``amax_A * amax_B * fl(1 / (6 * 448)**2)``; divisors are integers whose product
+    float32 holds exactly)."""
+
+    factor: jax.Array
+    divisor: jax.Array
+
+
+BF16_SMALLEST = 2.0**-133  # BF16's least subnormal
+
+
+def significant_bits(element) -> int:
+    """The most significant bits of any of an element format's values."""
+    return element.mantissa_bits + 1 if element.kind == "float" else element.bits - 1
+
+
+def fits_bf16(bits: int, smallest: float) -> bool:
+    """Whether every float32 number of at most ``bits`` significant bits whose last bit lies
+    at or above ``smallest`` is a BF16 number (8 significant bits and float32's exponent
+    range, subnormals from 2**-133 included; beyond float32's range both are infinite)."""
+    return bits <= 8 and smallest >= BF16_SMALLEST
 
 
 def _f32_div(a: float, b: float) -> np.float32:
@@ -86,6 +115,20 @@ class ScaleScheme:
         dequantizes otherwise overrides :meth:`dequantize` instead)."""
         raise NotImplementedError(f"{type(self).__name__} defines no multipliers")
 
+    def gemm_split(self, scale, tensor_amax, element) -> tuple[tuple[jax.Array, ...],
+                                                               Outer | None] | None:
+        """How a GEMM decodes the operand (docs/numerics.md, "The GEMM"): the multipliers it
+        applies to the elements, in order, and the :class:`Outer` factor it applies to the
+        product instead (None: none); or None (the default): the elements are
+        :meth:`dequantize`'s values, in float32."""
+        return None
+
+    def bf16_values(self, element) -> bool:
+        """Whether the GEMM multiplies the inner values of :meth:`gemm_split` as BF16: they
+        are all BF16 numbers (at or above 2**-126, for MX; docs/numerics.md, "The GEMM").
+        Otherwise float32."""
+        return False
+
     def round_nearest(self, v, element):
         return rounding.round_nearest(v, element)
 
@@ -133,6 +176,14 @@ class AbsMaxScale(ScaleScheme):
     def multipliers(self, scale, tensor_amax, element):
         return (scale,)
 
+    def gemm_split(self, scale, tensor_amax, element):
+        # the decode scale after the product, as FP8 GEMMs take scale_inv (where it is constant
+        # along the GEMM's reduction: per tensor or per channel; fp4lab.quantize checks)
+        return (), Outer(scale, F32(1))
+
+    def bf16_values(self, element):
+        return fits_bf16(significant_bits(element), element.min_subnormal)
+
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Scale(ScaleScheme):
@@ -163,6 +214,12 @@ class NVFP4Scale(ScaleScheme):
     def multipliers(self, scale, tensor_amax, element):
         return nvfp4_multiplier(scale, tensor_amax, 2688)
 
+    def gemm_split(self, scale, tensor_amax, element):
+        return nvfp4_split(scale, tensor_amax, 2688)
+
+    def bf16_values(self, element):
+        return nvfp4_bf16_values(element)
+
 
 def nvfp4_encode_factor(tensor_amax, six_e: int):
     """NVFP4's ``S_enc = min(fl(6E / amax), FLT_MAX)``, 1 where ``amax == 0`` or ``S_enc == 0``
@@ -176,6 +233,21 @@ def nvfp4_multiplier(scale, tensor_amax, six_e: int) -> tuple[jax.Array]:
     s = scale.astype(jnp.float32)
     m = (s * tensor_amax) * _f32_div(1, six_e)
     return (jnp.where(tensor_amax == 0, s, m),)
+
+
+def nvfp4_split(scale, tensor_amax, six_e: int) -> tuple[tuple[jax.Array], Outer]:
+    """NVFP4 in a GEMM, as TE's: the E4M3 block scale on the elements, the per-tensor
+    ``amax / 6E`` on the product (``alpha``); where amax is 0 the decode is ``q * s`` alone
+    (:func:`nvfp4_multiplier`), so the outer factor is 1."""
+    zero = tensor_amax == 0
+    return (scale.astype(jnp.float32),), Outer(jnp.where(zero, F32(1), tensor_amax),
+                                               jnp.where(zero, F32(1), F32(six_e)))
+
+
+def nvfp4_bf16_values(element) -> bool:
+    """E2M1 times an E4M3 scale: at most 2 + 4 significant bits, from 2**-10 to 2688."""
+    return fits_bf16(significant_bits(element) + 4,
+                     element.min_subnormal * float(jnp.finfo(jnp.float8_e4m3fn).smallest_subnormal))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +266,8 @@ class RowScaledNVFP4Scale(ScaleScheme):
 
     encode = NVFP4Scale.encode
     multipliers = NVFP4Scale.multipliers
+    gemm_split = NVFP4Scale.gemm_split
+    bf16_values = NVFP4Scale.bf16_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +296,16 @@ class E8M0Scale(ScaleScheme):
 
     def mask_codes(self, q, scale):
         return jnp.where(scale == 255, 0.0, q)  # NaN blocks store zero codes
+
+    def gemm_split(self, scale, tensor_amax, element):
+        return self.multipliers(scale, tensor_amax, element), None
+
+    def bf16_values(self, element):
+        """An element times ``2**e`` (at most 8 significant bits) is a BF16 number at or above
+        2**-126; below, BF16's subnormals hold it only down to the block exponent whose least
+        element value is 2**-133 (E4M3: -124, E5M2: -117) and the GEMM rounds the rest to
+        them, where XLA:CPU flushes float32 operands to zero anyway (docs/numerics.md)."""
+        return significant_bits(element) <= 8
 
     def bad_scale(self, scale):
         return scale == 0  # 2**-127: the exponent clamped at the bottom of E8M0's range
