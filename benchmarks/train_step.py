@@ -7,11 +7,15 @@ same run (lower is better).
 
 The overhead must come from quantization itself, so the script checks:
 
-* no retracing: the step function is wrapped in ``chex.assert_max_traces(n=1)`` and called
-  ``--reps`` times with a new SR key each step (a retrace would raise);
-* no host round-trips: the steps of one timing run are dispatched back to back and synced once
+* no retracing: each recipe's step counts its traces and raises on a second one, called with
+  a new SR key each step;
+* no host round-trips: the steps of one timing are dispatched back to back and synced once
   at the end (``--reps`` steps per sync), with ``jax.transfer_guard("disallow")`` active so an
   implicit host transfer inside the loop raises.
+
+The recipes are timed in ``--runs`` rounds, each timing every recipe once in a shuffled order
+(interleaved, as ``benchmarks/maxtext_step.py``), and each round's ratio to ``bf16`` is taken
+in that round: the table gives ms/step min / median / max and the ratio's median [min, max].
 
     python benchmarks/train_step.py [--recipes bf16,nvfp4,...] [--dim 512] [--layers 4]
 """
@@ -19,10 +23,10 @@ The overhead must come from quantization itself, so the script checks:
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
-import chex
 import jax
 import jax.numpy as jnp
 
@@ -58,30 +62,36 @@ def make_step(recipe, lr=1e-2, backend="auto"):
                                  preferred_element_type=jnp.float32, backend=backend)
         return jnp.mean(jnp.square(h))
 
-    chex.clear_trace_counter()  # counts are per code object: start each recipe at zero
+    traces = []
 
-    @chex.assert_max_traces(n=1)
     def step(params, x, key):
+        traces.append(1)  # runs once per trace: a second trace is a retrace
+        if len(traces) > 1:
+            raise RuntimeError(f"{recipe.name}: the step was traced {len(traces)} times")
         loss, grads = jax.value_and_grad(loss_fn)(params, x, key)
         return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
 
     return jax.jit(step, donate_argnums=0)
 
 
-def time_recipe(recipe, params, x, reps: int, runs: int, backend: str = "auto") -> float:
-    step = make_step(recipe, backend=backend)
-    keys = list(jax.random.split(jax.random.key(1), reps * (runs + 1)))  # sliced before the guard
-    params, loss = step(params, x, keys[0])  # compile
-    jax.block_until_ready(loss)
-    times = []
-    with jax.transfer_guard("disallow"):
-        for r in range(runs):
+class Timer:
+    """One recipe's compiled step, its own parameters (donated) and keys, timed ``reps`` steps
+    at a time."""
+
+    def __init__(self, recipe, params, x, reps: int, runs: int, backend: str):
+        self.step, self.x, self.reps = make_step(recipe, backend=backend), x, reps
+        # the keys are sliced before the transfer guard
+        self.keys = iter(jax.random.split(jax.random.key(1), reps * (runs + 1)))
+        self.params, loss = self.step(params, x, next(self.keys))  # compile
+        jax.block_until_ready(loss)
+
+    def time(self) -> float:
+        with jax.transfer_guard("disallow"):
             t0 = time.perf_counter()
-            for i in range(reps):
-                params, loss = step(params, x, keys[(r + 1) * reps + i])
+            for _ in range(self.reps):
+                self.params, loss = self.step(self.params, self.x, next(self.keys))
             jax.block_until_ready(loss)
-            times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+        return (time.perf_counter() - t0) / self.reps
 
 
 def main(argv=None):
@@ -90,22 +100,31 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=5, help="steps per sync")
-    ap.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    ap.add_argument("--reps", type=int, default=5, help="steps per timing")
+    ap.add_argument("--runs", type=int, default=3, help="rounds (each times every recipe once)")
     ap.add_argument("--backend", default="auto", help="auto, xla or pallas (quantizers)")
     args = ap.parse_args(argv)
-    recipes = [get_recipe(r) for r in args.recipes.split(",")]
+    recipes = [get_recipe("bf16")] + [get_recipe(r) for r in args.recipes.split(",")
+                                      if r != "bf16"]
     x = jax.random.normal(jax.random.key(0), (args.tokens, args.dim))
     print(f"{args.layers} blocks of {args.dim} -> {4 * args.dim} -> {args.dim}, "
           f"{args.tokens} tokens, {jax.devices()[0].platform}, quantizer backend "
-          f"{args.backend}; median of {args.runs} runs of {args.reps} steps")
-    base = None
-    print(f"{'recipe':22s} {'ms/step':>9s} {'vs bf16':>8s}")
-    for r in [get_recipe("bf16")] + [r for r in recipes if r.name != "bf16"]:
-        t = time_recipe(r, init(jax.random.key(2), args.layers, args.dim), x, args.reps,
-                        args.runs, backend="xla" if r.name == "bf16" else args.backend)
-        base = base or t
-        print(f"{r.name:22s} {t * 1e3:9.2f} {t / base:7.2f}x", flush=True)
+          f"{args.backend}; {args.runs} interleaved rounds of {args.reps} steps")
+    timers = {r.name: Timer(r, init(jax.random.key(2), args.layers, args.dim), x, args.reps,
+                            args.runs, "xla" if r.name == "bf16" else args.backend)
+              for r in recipes}
+    times = {name: [] for name in timers}
+    order = list(timers)
+    for round_ in range(args.runs):  # shuffled rounds: a noisy neighbour hits every recipe
+        random.Random(round_).shuffle(order)
+        for name in order:
+            times[name].append(timers[name].time())
+    print(f"{'recipe':22s} {'ms/step min / median / max':>28s}  vs bf16 median [min, max]")
+    for name, ts in times.items():
+        ratio = sorted(t / b for t, b in zip(ts, times["bf16"]))
+        ms = sorted(t * 1e3 for t in ts)
+        print(f"{name:22s} {ms[0]:8.2f} / {statistics.median(ms):8.2f} / {ms[-1]:8.2f}  "
+              f"{statistics.median(ratio):.2f}x [{ratio[0]:.2f}, {ratio[-1]:.2f}]", flush=True)
 
 
 if __name__ == "__main__":
