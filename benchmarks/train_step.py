@@ -121,7 +121,7 @@ def main(argv=None):
             times[name].append(timers[name].time())
     print(f"{'recipe':22s} {'ms/step min / median / max':>28s}  vs bf16 median [min, max]")
     for name, ts in times.items():
-        ratio = sorted(t / b for t, b in zip(ts, times["bf16"]))
+        ratio = sorted(t / b for t, b in zip(ts, times["bf16"], strict=True))
         ms = sorted(t * 1e3 for t in ts)
         print(f"{name:22s} {ms[0]:8.2f} / {statistics.median(ms):8.2f} / {ms[-1]:8.2f}  "
               f"{statistics.median(ratio):.2f}x [{ratio[0]:.2f}, {ratio[-1]:.2f}]", flush=True)
