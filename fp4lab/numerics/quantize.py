@@ -527,8 +527,8 @@ def _split(q, scale, tensor_amax, fmt: Format, g: Geometry, ax: int,
     inner, outer = split if split is not None else (None, None)
     if outer is not None:
         outer = _logical_outer(outer, g, ax) if outer_ok else None
-        if outer is None:  # not constant along the reduction (FP8 1x128 blocks): inside
-            inner = None
+        if outer is None:  # not wanted, or not constant along the reduction (FP8 1x128
+            inner = None   # blocks): every multiplier on the elements, dequantize's order
     if inner is None:
         return GemmOperand(rounded_output(from_blocks(
             scheme.dequantize(q, scale, tensor_amax, elem), g)), outer)
