@@ -195,3 +195,23 @@ def test_an_amax_of_zero_leaves_the_block_scales_alone():
         x, jnp.float32(0))
     assert float(op.outer.factor) == 1 and float(op.outer.divisor) == 1
     np.testing.assert_array_equal(np.asarray(op.values, np.float32), np.asarray(q))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's flush of subnormals")
+def test_an_alpha_below_float32s_normal_range_is_flushed_on_the_cpu():
+    """docs/numerics.md: ``amax_x * amax_w`` under ~8.5e-32 makes TE's alpha subnormal, which
+    XLA:CPU flushes (the outputs are 0); a hundred times larger, the product is exact to the
+    accumulation's bound."""
+    x, w = operands(k=64)
+    for s, flushed in ((1e-15, False), (1e-16, True)):
+        y = np.asarray(qdot_general(x * s, w * s, DN, recipe("nvfp4")), np.float64)
+        ix, ax = nvfp4_inner(x * s, (1, 16))
+        iw, aw = nvfp4_inner((w * s).T, (1, 16))
+        alpha = np.float64((ax * aw) * (F32(1) / F32(6 * 448 * 6 * 448)))
+        assert (alpha < 2.0**-126) == flushed
+        if flushed:
+            assert (y == 0).all()
+        else:
+            exact = (ix @ iw.T) * alpha
+            assert np.all(np.abs(y - exact) <= accumulation_bound(ix, iw.T, 64) * alpha
+                          + 2.0**-24 * np.abs(exact))
