@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from fp4lab.numerics import backend as _backend
 from fp4lab.features.delayed import history_amax
 from fp4lab.numerics.hadamard import random_signs, rht
-from fp4lab.numerics.quantize import (GemmOperand, fake_quant_operand, gemm_operand,
-                                     split_dequantize)
+from fp4lab.numerics.gemm_operands import GemmOperand, gemm_operand, split_dequantize
+from fp4lab.numerics.quantize import fake_quant_operand
 from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
 __all__ = ["AXIS", "OperandContext", "operand_keys", "operand_signs", "quantize_operand"]
@@ -58,7 +58,7 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
                      ) -> GemmOperand:
     """One GEMM operand as the recipe says: optional RHT along ``axis``, then a pass-through
     cast (BF16/FP16/FP32, or stochastic rounding onto BF16/FP16) or quantization, as the GEMM
-    multiplies it (:class:`~fp4lab.numerics.quantize.GemmOperand`: the values, the factor
+    multiplies it (:class:`~fp4lab.numerics.gemm_operands.GemmOperand`: the values, the factor
     applied after the product; ``outer=False``: none, every multiplier on the values).
 
     On the kernel backend, an NVFP4 operand with a 16-point RHT blocked along the token axis

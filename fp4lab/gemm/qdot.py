@@ -50,7 +50,8 @@ from fp4lab.features.outcontrol import split_gemm
 from fp4lab.features.probes import measure
 from fp4lab.gemm.state import GemmState, check_gemm_state
 from fp4lab.numerics import rounding as rnd
-from fp4lab.numerics.quantize import GemmOperand, quantize, split_dequantize, trust_mask
+from fp4lab.numerics.gemm_operands import GemmOperand, split_dequantize
+from fp4lab.numerics.quantize import quantize, trust_mask
 from fp4lab.numerics.scaling import Outer
 from fp4lab.gemm.recipe import OPERAND_TABLE, OperandQuant, Recipe, get_recipe
 from fp4lab.numerics.rounding import abs_max
@@ -104,7 +105,7 @@ def _alpha(a: GemmOperand, b: GemmOperand, dn):
 
 
 def _mm(a, b, dn):
-    """The GEMM of two operands (:class:`~fp4lab.numerics.quantize.GemmOperand`, or arrays
+    """The GEMM of two operands (:class:`~fp4lab.numerics.gemm_operands.GemmOperand`, or arrays
     taken as they are) as the hardware computes it: the products of the values, in BF16 where
     both are BF16 numbers, accumulated in float32, then scaled by the outer factors
     (docs/numerics.md, "The GEMM")."""

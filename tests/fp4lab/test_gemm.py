@@ -13,7 +13,7 @@ import fp4lab
 from fp4lab.gemm.qdot import qdot_general
 from fp4lab.gemm.recipe import OperandQuant
 from fp4lab.numerics.formats import get_format
-from fp4lab.numerics.quantize import gemm_operand
+from fp4lab.numerics.gemm_operands import gemm_operand
 
 DN = (((1,), (0,)), ((), ()))
 HI = jax.lax.Precision.HIGHEST

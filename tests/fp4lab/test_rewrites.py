@@ -207,7 +207,7 @@ DEFENCES = {
     "Q4_0 code without an addition":
         ((GGMLQ4_0Scale, "round_nearest", _naive_q4_0_rounding), ["int4_q4_0"], "plain"),
     "opaque scales before decoding":
-        ((quantize_module, "_opaque_scales", lambda s, a: (s, a)), ["nvfp4"],
+        ((quantize_module, "opaque_scales", lambda s, a: (s, a)), ["nvfp4"],
          "constant"),
     "rounded dequantized output":
         ((quantize_module, "rounded_output", lambda y: y), ["nvfp4", "fp8_e4m3", "int8"],
