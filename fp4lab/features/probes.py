@@ -62,8 +62,9 @@ def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: d
             continue
         op = quantized[o.name]
         src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[o.role]
-        rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
-                                     signs[o.name], amaxes[o.name]))
+        with jax.named_scope("fp4lab.probes"):
+            rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
+                                         signs[o.name], amaxes[o.name]))
     return jnp.stack(rows)
 
 

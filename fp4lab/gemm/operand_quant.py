@@ -17,10 +17,10 @@ from fp4lab.numerics import backend as _backend
 from fp4lab.features.delayed import history_amax
 from fp4lab.numerics.hadamard import random_signs, rht
 from fp4lab.numerics.gemm_operands import GemmOperand, gemm_operand, split_dequantize
-from fp4lab.numerics.quantize import fake_quant_operand
 from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
-__all__ = ["AXIS", "OperandContext", "operand_keys", "operand_signs", "quantize_operand"]
+__all__ = ["AXIS", "OperandContext", "operand_keys", "operand_scope", "operand_signs",
+           "quantize_operand"]
 
 AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
 
@@ -30,6 +30,13 @@ def operand_keys(key) -> dict[str, jax.Array | None]:
     if key is None:
         return dict.fromkeys(OPERANDS)
     return {name: jax.random.fold_in(key, i) for i, name in enumerate(OPERANDS)}
+
+
+def operand_scope(name: str):
+    """The name scope of one operand's quantization, ``fp4lab.<operand>`` (e.g.
+    ``fp4lab.wgrad_dy``): compiled programs carry it in their ops' metadata, so a profile can
+    attribute a quantizer's loops to its operand (``benchmarks/profile_step.py``)."""
+    return jax.named_scope(f"fp4lab.{name}")
 
 
 _GEMM_INDEX = {"fprop": 0, "dgrad": 1, "wgrad": 2}
@@ -78,12 +85,6 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
             return q._replace(values=q.values.T[None])
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
-    if op.format.is_passthrough:
-        if op.rounding == "stochastic":  # SR onto the BF16/FP16 grid
-            return GemmOperand(fake_quant_operand(
-                x.astype(jnp.float32), op.format, rounding="stochastic",
-                key=key).astype(op.format.element.storage))
-        return GemmOperand(x.astype(op.format.element.storage))
     return gemm_operand(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
                         tile=op.tile, rounding=op.rounding, key=key, backend=backend,
                         global_amax=global_amax, outer=outer)
@@ -104,5 +105,6 @@ class OperandContext(NamedTuple):
         return cls(operand_keys(key), amax, operand_signs(recipe, key))
 
     def quantize(self, name: str, t, recipe: Recipe, backend, outer: bool = True):
-        return quantize_operand(t, recipe.operands[name], AXIS[name], self.keys[name],
-                                self.signs[name], backend, self.amax[name], outer)
+        with operand_scope(name):
+            return quantize_operand(t, recipe.operands[name], AXIS[name], self.keys[name],
+                                    self.signs[name], backend, self.amax[name], outer)

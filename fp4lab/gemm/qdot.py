@@ -45,7 +45,7 @@ from fp4lab.gemm import saved as _saved
 from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN
 from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.numerics.hadamard import rht, rotate
-from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_signs
+from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_scope, operand_signs
 from fp4lab.features.outcontrol import split_gemm
 from fp4lab.features.probes import measure
 from fp4lab.gemm.state import GemmState, check_gemm_state
@@ -110,11 +110,12 @@ def _mm(a, b, dn):
     both are BF16 numbers, accumulated in float32, then scaled by the outer factors
     (docs/numerics.md, "The GEMM")."""
     a, b = (t if isinstance(t, GemmOperand) else GemmOperand(t) for t in (a, b))
-    a, b = _folded(a, dn[0][0][0]), _folded(b, dn[0][1][0])
-    y = _dot(a.values, b.values, dn)
-    alpha = _alpha(a, b, dn)
-    # behind a barrier: a consumer's addition must not contract with the scaling into an FMA
-    return y if alpha is None else rnd.opaque(y * alpha)
+    with jax.named_scope("fp4lab.gemm"):
+        a, b = _folded(a, dn[0][0][0]), _folded(b, dn[0][1][0])
+        y = _dot(a.values, b.values, dn)
+        alpha = _alpha(a, b, dn)
+        # behind a barrier: a consumer's addition must not contract with the scaling into an FMA
+        return y if alpha is None else rnd.opaque(y * alpha)
 
 
 # ----------------------------------------------------------------------------- the core GEMM
@@ -139,9 +140,10 @@ def _weight(w, recipe: Recipe, ctx: OperandContext, backend):
     op = recipe.fprop_w
     outer = not recipe.requantizes
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
-        qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
-                      key=ctx.keys["fprop_w"], backend=backend)
-        return split_dequantize(qw, outer), qw
+        with operand_scope("fprop_w"):
+            qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
+                          key=ctx.keys["fprop_w"], backend=backend)
+            return split_dequantize(qw, outer), qw
     return ctx.quantize("fprop_w", w, recipe, backend, outer), None
 
 
