@@ -20,6 +20,10 @@ Run it with MaxText's Python (``sh scripts/maxtext-venv`` builds one):
 
     .venv-maxtext/bin/python benchmarks/maxtext_step.py [--rounds 3] [--steps 12] \\
         [--variants maxtext,fp4lab:all:nvfp4,qwix:fp8] [--out maxtext_step.json]
+
+``--profile`` runs each variant once under MaxText's profiler instead and prints where its
+step's time goes (GEMMs, each operand's quantizer, collectives, the rest; see
+``benchmarks/profile_step.py``).
 """
 
 from __future__ import annotations
@@ -84,23 +88,24 @@ def base_yml_of(python: str) -> str:
     return found.stdout.strip()
 
 
-def child_env(devices: int) -> dict:
+def child_env(devices: int, xla_flags: str = "") -> dict:
     return {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla_flags}"}
 
 
 def tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
 
-def run_once(cmd: list[str], name: str, logs: Path, devices: int, timeout: float) -> list[dict]:
+def run_once(cmd: list[str], name: str, logs: Path, devices: int, timeout: float,
+             xla_flags: str = "") -> list[dict]:
     """Runs one trainer command, its stdout and stderr to ``logs/<name>.{out,err}`` (files,
     not pipes), and returns its metrics, one dict per step. Raises :class:`RunFailed`."""
     out, err = logs / f"{name}.out", logs / f"{name}.err"
     with out.open("w") as o, err.open("w") as e:
         try:
-            code = subprocess.run(cmd, stdout=o, stderr=e, cwd=logs, env=child_env(devices),
-                                  timeout=timeout).returncode
+            code = subprocess.run(cmd, stdout=o, stderr=e, cwd=logs,
+                                  env=child_env(devices, xla_flags), timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = f"timeout after {timeout:.0f} s"
     metrics = logs / f"{name}.jsonl"
@@ -122,13 +127,39 @@ def schedule(variants: list[str], rounds: int, seed: int) -> list[list[str]]:
     return [rng.sample(variants, len(variants)) for _ in range(rounds)]
 
 
+def variant_cmd(args, variant: str, name: str, base_yml: str, logs: Path) -> list[str]:
+    return [args.python, *variant_argv(variant, base_yml), *model_args(args),
+            f"base_output_directory={logs}", f"run_name={name}",
+            f"metrics_file={logs / name}.jsonl"]
+
+
 def run_variant(args, variant: str, name: str, base_yml: str, logs: Path):
     """One run of ``variant``: its kept step times (s) and its last step's loss."""
-    cmd = [args.python, *variant_argv(variant, base_yml), *model_args(args),
-           f"base_output_directory={logs}", f"run_name={name}",
-           f"metrics_file={logs / name}.jsonl"]
+    cmd = variant_cmd(args, variant, name, base_yml, logs)
     metrics = run_once(cmd, name, logs, args.fsdp * args.tensor, args.timeout)
     return kept_steps(metrics, args.warmup, args.steps, cmd), metrics[-1]["learning/loss"]
+
+
+def profile_variants(args, base_yml: str, logs: Path) -> str:
+    """``--profile``: one run of each variant under MaxText's profiler (``profiler=xplane``,
+    the steps after the warm-up but the last) with XLA's optimized programs dumped; the time
+    of their ops attributed as ``benchmarks/profile_step.py`` does, one column per variant."""
+    import profile_step  # beside this script
+
+    profiled = args.steps - args.warmup - 1
+    rows = {}
+    for v in args.variants.split(","):
+        name = f"profile-{v.replace(':', '_')}"
+        hlo = logs / name / "hlo"
+        cmd = [*variant_cmd(args, v, name, base_yml, logs), "profiler=xplane",
+               f"skip_first_n_steps_for_profiler={args.warmup}", f"profiler_steps={profiled}"]
+        run_once(cmd, name, logs, args.fsdp * args.tensor, args.timeout,
+                 f"--xla_dump_to={hlo} --xla_dump_hlo_as_text")
+        (xplane,) = (logs / name).rglob("*.xplane.pb")
+        rows[v] = profile_step.attribute(profile_step.read_events(xplane),
+                                         profile_step.dumped_programs(hlo))
+        print(f"profiled {v}", flush=True)
+    return profile_step.table(rows, dict.fromkeys(rows, profiled))
 
 
 def run_rounds(args, base_yml: str, logs: Path) -> dict:
@@ -228,6 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "temporary folder, removed when every run succeeded)")
     ap.add_argument("--out", type=Path, default=Path("maxtext_step.json"),
                     help="JSON of the raw per-step times and the table")
+    ap.add_argument("--profile", action="store_true", help="instead of timing rounds, "
+                    "profile one run of each variant: where its step's time goes")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
@@ -247,6 +280,12 @@ def main(argv=None) -> dict:
           f"{args.head_dim}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}/device, "
           f"fsdp {args.fsdp} x tensor {args.tensor} CPU devices; {args.rounds} rounds of "
           f"{args.steps} steps, first {args.warmup} dropped; logs in {logs}", flush=True)
+    if args.profile:
+        table = profile_variants(args, base_yml, logs)
+        print(table)
+        if args.logs is None:
+            shutil.rmtree(logs, ignore_errors=True)
+        return {"rows": [], "table": table}
     results = run_rounds(args, base_yml, logs)
     rows = summarize(results)
     table = markdown(rows)

@@ -67,3 +67,41 @@ def test_maxtext_step_benchmark_runs_each_kind_of_variant(tmp_path):
     assert not any(row["error"] for row in result["rows"])
     assert "| qwix:int8 |" in result["table"]
     assert "| fp4lab:all:bf16 |" in (tmp_path / "out").read_text()
+
+
+def test_profile_attributes_a_steps_time_to_gemms_and_each_operands_quantizer(
+        capsys, monkeypatch, tmp_path):
+    """benchmarks/profile_step.py on the training-step model: BF16's time is GEMMs and the
+    rest, NVFP4's also each backward operand's quantizer (named by its fp4lab scope); the
+    --xplane/--hlo mode reads a profile and an HLO dump written elsewhere."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import jax
+    import profile_step
+
+    profile_step.main(["--recipes", "bf16,nvfp4", "--dim", "32", "--layers", "1",
+                       "--tokens", "64", "--steps", "2"])
+    rows = {r.split("|")[1].strip(): r.split("|")[2:4] for r in
+            capsys.readouterr().out.splitlines() if r.startswith("| ")}
+    ms = {c: [float(cell.split()[0]) for cell in cells] for c, cells in rows.items()
+          if c != "category"}
+    assert ms["gemm"][0] > 0 and ms["gemm"][1] > 0
+    for operand in ("fprop_w", "dgrad_dy", "wgrad_x", "wgrad_dy"):
+        assert ms[f"quantize {operand}"][1] > 0, operand
+    assert ms.get("quantize wgrad_x", [0])[0] == 0  # BF16 casts X once, in its forward
+
+    # the file mode, as MaxText's profiler and XLA's dump write them
+    f = jax.jit(lambda x: jax.numpy.tanh(x @ x))
+    x = jax.numpy.ones((64, 64))
+    text = f.lower(x).compile().as_text()
+    (tmp_path / "hlo").mkdir()
+    (tmp_path / "hlo" / "m.after_optimizations.txt").write_text(text)
+    f(x).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path / "trace"))
+    f(x).block_until_ready()
+    jax.profiler.stop_trace()
+    profile_step.main(["--xplane", str(tmp_path / "trace"), "--hlo", str(tmp_path / "hlo"),
+                       "--steps", "1", "--name", "tanh"])
+    out = capsys.readouterr().out
+    assert "| tanh ms/step (share) |" in out and "| gemm |" in out
+    sys.modules.pop("profile_step", None)
+    sys.modules.pop("train_step", None)
