@@ -315,6 +315,9 @@ class QuantizedLinen:
         ``"amax_history": 0`` to its ``variable_axes``). Pass ``{**variables,
         "amax_history": h}``, differentiate the loss with respect to ``h`` too, and
         ``fp4lab.features.delayed.update(h, grad)`` gives the next step's."""
+        if not any(a.recipe is not None and a.recipe.delayed is not None
+                   for a in self.assignments(variables, *args, **kwargs)):
+            return {}  # (the record is cached: no second trace of the model)
         return self._state_zeros("amax_history", variables, args, kwargs)
 
     def explain(self, variables, *args, strict: bool | None = None, **kwargs) -> ExplainTable:
