@@ -31,7 +31,7 @@ def tiny_sweep(corpus_dir, *overrides):
 def test_sweep_resumes_skips_finished_runs_and_records_failures(tmp_path, corpus_dir, tiny,
                                                               monkeypatch):
     config = tiny_sweep(corpus_dir, "sweep.policies=('bf16','mxfp4','nvfp4')", "train.steps=6",
-                        "probes.every=3")
+                        "probes.every=3", "model.pattern=-")  # one MLP block: the mechanics
     config.compile_cache = tiny.compile_cache
     calls = []
 
@@ -200,7 +200,7 @@ def test_runs_that_differ_only_in_the_seed_compile_one_program(tiny, text):
 @pytest.mark.slow
 def test_a_sweep_over_seeds_reports_intervals(tmp_path, corpus_dir, tiny):
     config = tiny_sweep(corpus_dir, "sweep.policies=('bf16','nvfp4')", "sweep.seeds=2",
-                        "train.steps=6", "probes.every=3")
+                        "train.steps=6", "probes.every=3", "model.pattern=-")
     config.compile_cache = tiny.compile_cache
     results = sweep.run_sweep(config, tmp_path, progress=False)
     assert [(r.policy, r.seed) for r in results] == [

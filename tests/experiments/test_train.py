@@ -160,6 +160,7 @@ def test_late_precision_switch_runs_the_last_steps_in_bf16(tiny, text, tmp_path)
     tiny.train.steps = 6
     tiny.train.ckpt_every = 0
     tiny.probes.every = 0
+    tiny.model.pattern = "-"  # one MLP block: the switch is per step, not per layer kind
     tiny.precision.policy = "bf16"
     bf16 = train(tiny, tmp_path / "bf16", data=text, progress=False)
     tiny.precision.policy = "mxfp4"
