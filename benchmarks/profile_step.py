@@ -142,15 +142,16 @@ def attribute(events, programs: dict[str, str]) -> dict[str, float]:
     return dict(totals)
 
 
+def module_name(text: str) -> str | None:
+    """The name of the HLO module ``text`` holds (what profile events call its program)."""
+    m = re.match(r"HloModule ([\w.\-]+)", text)
+    return m.group(1) if m else None
+
+
 def dumped_programs(hlo_dir: Path) -> dict[str, str]:
     """The optimized programs XLA dumped (``--xla_dump_to``), by module name."""
-    out = {}
-    for f in sorted(hlo_dir.glob("*after_optimizations.txt")):
-        text = f.read_text()
-        m = re.match(r"HloModule ([\w.\-]+)", text)
-        if m:
-            out[m.group(1)] = text
-    return out
+    texts = (f.read_text() for f in sorted(hlo_dir.glob("*after_optimizations.txt")))
+    return {module_name(t): t for t in texts if module_name(t)}
 
 
 def table(rows: dict[str, dict[str, float]], steps: dict[str, int]) -> str:
@@ -180,11 +181,11 @@ def profile_recipe(recipe: str, dim: int, layers: int, tokens: int, steps: int):
     import jax
     import train_step  # benchmarks/ is on the path when this runs as a script
 
-    step = train_step.make_step(recipe)
     params = train_step.init(jax.random.key(2), layers, dim)
     x = jax.random.normal(jax.random.key(0), (tokens, dim))
     keys = jax.random.split(jax.random.key(1), steps + 1)
-    text = step.lower(params, x, keys[0]).compile().as_text()
+    step = train_step.make_step(recipe).lower(params, x, keys[0]).compile()  # compiled once
+    text = step.as_text()
     params, loss = step(params, x, keys[0])
     jax.block_until_ready(loss)
     with tempfile.TemporaryDirectory() as d:
@@ -196,8 +197,7 @@ def profile_recipe(recipe: str, dim: int, layers: int, tokens: int, steps: int):
         wall = (time.perf_counter() - t0) / steps
         jax.profiler.stop_trace()
         (xplane,) = Path(d).rglob("*.xplane.pb")
-        module = re.match(r"HloModule ([\w.\-]+)", text).group(1)
-        return attribute(read_events(xplane), {module: text}), wall
+        return attribute(read_events(xplane), {module_name(text): text}), wall
 
 
 def main(argv=None):
