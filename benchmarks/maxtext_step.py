@@ -262,8 +262,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="instead of timing rounds, "
                     "profile one run of each variant: where its step's time goes")
     args = ap.parse_args(argv)
-    if args.steps <= args.warmup:
-        ap.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    if args.steps <= args.warmup + args.profile:  # a profile ends a step before the last
+        ap.error(f"--steps {args.steps} leaves no step to time after --warmup {args.warmup}")
     if BASELINE not in args.variants.split(","):
         ap.error(f"--variants {args.variants!r} must include the baseline {BASELINE!r}")
     for v in args.variants.split(","):
