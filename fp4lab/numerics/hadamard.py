@@ -110,6 +110,13 @@ def walsh_hadamard(u: jax.Array, axis: int = -1) -> jax.Array:
     return u
 
 
+def _in_groups(x, axis: int, n: int):
+    """``x`` (whole groups along ``axis``) as float32 groups ``(..., len / n, n, ...)``, the
+    trailing axes innermost (no transpose); an empty tensor too."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] // n, n) + x.shape[axis + 1:]).astype(
+        jnp.float32)
+
+
 def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int | jax.Array = "te"
         ) -> jax.Array:
     """Apply the RHT to groups of ``n`` along ``axis``; the output's ``axis`` has length
@@ -122,8 +129,7 @@ def rht(x: jax.Array, axis: int, n: int = 16, signs: str | int | jax.Array = "te
     pad = -x.shape[axis] % n
     if pad:
         x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
-    # groups of n along axis, the trailing axes innermost (no transpose)
-    g = x.reshape(x.shape[:axis] + (-1, n) + x.shape[axis + 1:]).astype(jnp.float32)
+    g = _in_groups(x, axis, n)
     y = walsh_hadamard(g * s.reshape((n,) + (1,) * (x.ndim - 1 - axis)), axis + 1) * c
     return y.reshape(x.shape).astype(x.dtype)
 
@@ -140,7 +146,7 @@ def rht_transpose(y: jax.Array, axis: int, length: int, n: int = 16,
         raise ValueError(f"rht_transpose needs axis {axis} (length {y.shape[axis]}) in whole "
                          f"groups of {n=}")
     s, c = _factors(n, signs)
-    g = y.reshape(y.shape[:axis] + (-1, n) + y.shape[axis + 1:]).astype(jnp.float32)
+    g = _in_groups(y, axis, n)
     x = walsh_hadamard(g, axis + 1) * c * s.reshape((n,) + (1,) * (y.ndim - 1 - axis))
     return lax.slice_in_dim(x.reshape(y.shape), 0, length, axis=axis).astype(y.dtype)
 
