@@ -383,7 +383,7 @@ def _round_subnormal(q, sticky, e):
 
 
 @jax.jit
-def div(a, b) -> jax.Array:
+def _div(a, b) -> jax.Array:
     """Correctly rounded float32 ``a / b`` on every platform, out of reach of XLA's rewrites.
 
     The quotient is XLA's own division on CPU (IEEE there; subject to XLA:CPU's FTZ/DAZ like
@@ -403,3 +403,25 @@ def div(a, b) -> jax.Array:
     q = lax.platform_dependent(
         a, b, cpu=lambda a, b: a / b, default=lambda a, b: from_bits(div_rn_bits(a, b)))
     return opaque(q)
+
+
+@jax.custom_batching.custom_vmap
+def div(a, b) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` on every platform (:func:`_div`), under ``vmap``
+    too: a batched call broadcasts both operands over the batch before the barrier. (Batched
+    by JAX's own rule, a constant divisor stayed a scalar behind the barrier, XLA forwarded
+    the constant through it and rewrote ``x / 6`` into ``x * fl(1/6)``: one ulp off.)"""
+    return _div(a, b)
+
+
+@div.def_vmap
+def _div_vmap(axis_size, in_batched, a, b):
+    rank = max(jnp.ndim(a) - in_batched[0], jnp.ndim(b) - in_batched[1])
+
+    def full(t, batched):  # the batch first, then the example's dims right-aligned
+        t = jnp.asarray(t, jnp.float32)
+        if not batched:
+            t = jnp.broadcast_to(t, (axis_size,) + t.shape)
+        return t.reshape((axis_size,) + (1,) * (rank + 1 - t.ndim) + t.shape[1:])
+
+    return div(full(a, in_batched[0]), full(b, in_batched[1])), True

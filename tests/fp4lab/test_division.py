@@ -70,3 +70,21 @@ def test_div_is_plain_division_on_cpu_and_integer_arithmetic_on_gpu():
         text = lowered("cuda", lambda t: fp4lab.quantize(t, fmt, backend="xla", **kw),
                        jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
         assert not float_divides(text), fmt
+
+
+def test_div_stays_ieee_under_vmap_with_a_constant_or_unbatched_operand():
+    """Batched by JAX's own rule, a constant divisor stayed a scalar behind div's barrier and
+    XLA rewrote ``x / 6`` into ``x * fl(1/6)`` (one ulp off for 1/3 of the inputs): a grouped
+    GEMM vmaps every quantizer over the experts."""
+    x = np.random.default_rng(0).uniform(1, 1000, (4, 256)).astype(np.float32)
+    want = x / np.float32(6)
+    cases = {
+        "constant divisor": (jax.vmap(lambda a: div(a, np.float32(6)))(x), want),
+        "constant dividend": (jax.vmap(lambda a: div(np.float32(6), a))(x), np.float32(6) / x),
+        "nested, unbatched array": (jax.vmap(jax.vmap(div, (0, None)), (0, None))(
+            x[:, :, None], np.full(3, 6, np.float32)), np.repeat(want[:, :, None], 3, 2)),
+        "batched scalar per example": (jax.vmap(div)(x, np.full((4, 1), 6, np.float32)), want),
+    }
+    for what, (got, ref) in cases.items():
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), ref.view(np.uint32),
+                                      err_msg=what)
