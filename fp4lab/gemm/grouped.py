@@ -1,0 +1,193 @@
+"""The quantized grouped GEMM of Mixture-of-Experts layers: :func:`qragged_dot`.
+
+``qragged_dot(lhs, rhs, group_sizes, recipe)`` is ``jax.lax.ragged_dot`` (tokens ``lhs: (M, K)``
+sorted by expert, one weight per expert ``rhs: (G, K, N)``, ``group_sizes: (G,)`` rows per
+expert) whose forward and backward GEMMs quantize their six operands as ``recipe`` says. It is
+defined as the loop over experts that TransformerEngine's ``GroupedLinear`` runs (each split
+quantized as a tensor of its own, with its own quantizer) and is equal to it bit for bit:
+
+    y[rows of expert e] = qdot_general(lhs[rows of e], rhs[e], ((1,), (0,)), recipe,
+                                       state of expert e)
+
+with the key of expert ``e`` ``jax.random.fold_in(key, e)`` (its amax history and OutControl
+channels the ``e``-th of a stacked state). So each expert's rows and weight have their own
+per-tensor scales (NVFP4's FP32 global scale, FP8's current scaling), their own stochastic
+rounding stream and Hadamard signs, and the wgrad operands are blocked along the tokens *within*
+each expert's rows: a block never holds two experts' tokens, a group whose size is not a
+multiple of the block ends in a partial block whose amax is that of its own rows (the zero
+padding TE's ``Fp8Padding`` and torchao's ``pad_token_groups`` add before quantizing;
+docs/numerics.md, "Grouped GEMMs").
+
+How: each expert's rows are moved into a slot of ``capacity`` rows (``(G, capacity, K)``, zeros
+after the expert's rows), and the core GEMM of :func:`fp4lab.qdot_general` (every feature
+composed around it) runs once per expert under ``jax.vmap``; the outputs are gathered back to
+the token order. Zero rows change no amax, no block and no random bit of an expert's rows
+(stochastic rounding counts an element's position within its own expert's operand), so the
+quantization is the loop's by construction: the same code, never a copy. The cost is that of
+the experts' capacity (``G * capacity`` rows, ``capacity = M`` by default: always dropless),
+what JAX's own CPU ``ragged_dot`` also pays (it multiplies every row by every expert).
+
+The products are summed in FP32 by XLA's dot on each slot; where the loop's per-expert dot of
+``m_e`` rows sums in another order, the float32 results may differ in the last bits (an
+accumulation difference, never a quantization one: the tests check the loop bit for bit where
+the sums are exact and the float64 oracle elsewhere).
+
+Rows after ``sum(group_sizes)`` give zeros (as ``ragged_dot``); rows of an expert beyond
+``capacity`` give NaN (a capacity too small for the routing is never a silent drop).
+Unlike ``jax.lax.ragged_dot`` on CPU (which multiplies the zeros of other experts' weights
+into each row), an inf or NaN in one expert's weight never reaches another expert's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4lab.gemm.qdot import _composed
+from fp4lab.gemm.recipe import Recipe, get_recipe
+from fp4lab.gemm.state import GemmState, as_gemm_state, check_gemm_state
+
+__all__ = ["qragged_dot", "expert_keys"]
+
+
+def expert_keys(key, groups: int):
+    """The key of each expert's GEMM: ``jax.random.fold_in(key, e)`` for ``e`` in
+    ``range(groups)``, stacked (None for None)."""
+    if key is None:
+        return None
+    return jax.vmap(lambda e: jax.random.fold_in(key, e))(jnp.arange(groups, dtype=jnp.uint32))
+
+
+def _slots(group_sizes, m: int, capacity: int):
+    """Each row's expert and position within the expert's rows (int32, shape ``(M,)``): the
+    expert is ``G`` for rows after ``sum(group_sizes)``, and ``over`` marks rows beyond
+    their expert's capacity."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    start = (ends - sizes)[jnp.minimum(expert, sizes.shape[0] - 1)]
+    pos = rows - start
+    over = (expert < sizes.shape[0]) & (pos >= capacity)
+    return expert, pos, over
+
+
+def _dispatch(x, expert, pos, groups: int, capacity: int):
+    """Rows into their experts' slots, ``(G, capacity, ...)``, zeros elsewhere (rows without a
+    slot dropped). Its gradient is the gather back: no additions, signed zeros kept."""
+    slots = jnp.zeros((groups, capacity) + x.shape[1:], x.dtype)
+    return slots.at[expert, pos].set(x, mode="drop", unique_indices=True)
+
+
+@jax.custom_vjp
+def _combine(y, expert, pos, over):
+    """The slots' rows back in token order: zeros for rows after the last expert's, NaN for
+    rows beyond their expert's capacity."""
+    out = y.at[expert, pos].get(mode="fill", fill_value=0)
+    return jnp.where(over[:, None], jnp.array(jnp.nan, y.dtype), out)
+
+
+def _combine_fwd(y, expert, pos, over):
+    return _combine(y, expert, pos, over), (expert, pos, y.shape[:2])
+
+
+def _combine_bwd(res, g):
+    expert, pos, (groups, capacity) = res
+    # the gather's transpose as a scatter that sets (JAX's adds to zeros: -0 would become +0)
+    return _dispatch(g, expert, pos, groups, capacity), None, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _check(lhs, rhs, group_sizes, capacity):
+    for name, t in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(jnp.result_type(t), jnp.floating):
+            raise TypeError(f"qragged_dot needs floating-point operands; {name} has dtype "
+                            f"{jnp.result_type(t)}")
+    ls, rs, gs = jnp.shape(lhs), jnp.shape(rhs), jnp.shape(group_sizes)
+    if len(ls) != 2 or len(rs) != 3 or ls[1] != rs[1]:
+        raise ValueError(f"qragged_dot takes lhs (M, K) and rhs (G, K, N), as "
+                         f"jax.lax.ragged_dot; got lhs {ls} and rhs {rs}")
+    if gs != (rs[0],) or not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+        raise ValueError(f"group_sizes must be integers of shape ({rs[0]},), one per expert of "
+                         f"rhs {rs}; got shape {gs}, dtype {jnp.result_type(group_sizes)}")
+    if not isinstance(group_sizes, jax.core.Tracer):
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any():
+            raise ValueError(f"group_sizes={sizes.tolist()} has a negative size")
+    m = ls[0]
+    if capacity is None:
+        return max(m, 1)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or not (
+            1 <= capacity <= max(m, 1)):
+        raise ValueError(f"capacity={capacity!r} must be an int in [1, {max(m, 1)}] (rows "
+                         "one expert can receive; None: all M rows, always dropless)")
+    return int(capacity)
+
+
+def _expert_state(recipe: Recipe, state, groups: int, k: int, backend: str) -> GemmState:
+    """``state`` with the key split per expert, each stacked field checked per expert."""
+    key, probe, history, channels = as_gemm_state(state)
+    if probe is not None:
+        raise ValueError("qragged_dot does not take a probe yet: per-expert probes are not "
+                         "built (a probe of the padded slots would count their zeros)")
+    for name, t in (("amax_history", history), ("channels", channels)):
+        if t is not None and (jnp.ndim(t) < 1 or jnp.shape(t)[0] != groups):
+            raise ValueError(f"{name} has shape {jnp.shape(t)}; qragged_dot takes one per "
+                             f"expert, stacked along a leading axis of {groups}")
+    checked = [check_gemm_state(recipe, k, GemmState(
+        key, None, None if history is None else history[e],
+        None if channels is None else channels[e]), backend) for e in range(groups)]
+    stack = lambda *a: None if a[0] is None else jnp.stack(a)  # noqa: E731
+    return GemmState(expert_keys(key, groups), None,
+                     stack(*(c.amax_history for c in checked)),
+                     stack(*(c.channels for c in checked)))
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "out_dtype", "backend", "capacity"))
+def _grouped(lhs, rhs, group_sizes, state, *, recipe, out_dtype, backend, capacity):
+    groups = rhs.shape[0]
+    expert, pos, over = _slots(group_sizes, lhs.shape[0], capacity)
+    slots = _dispatch(lhs, expert, pos, groups, capacity)
+
+    def one(x, w, s):
+        return _composed(x[None], w[None], recipe, out_dtype, backend, s)[0]
+
+    y = jax.vmap(one)(slots, rhs, state)
+    return _combine(y, expert, pos, over)
+
+
+def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None, *,
+                capacity: int | None = None, backend: str = "auto", precision=None,
+                preferred_element_type=None):
+    """``jax.lax.ragged_dot`` whose training GEMMs follow ``recipe``, expert by expert.
+
+    Args:
+      lhs: ``(M, K)`` rows sorted by expert (the activation X).
+      rhs: ``(G, K, N)``, one weight per expert (W).
+      group_sizes: ``(G,)`` integers, rows per expert (rows after their sum give zeros).
+      recipe: a :class:`~fp4lab.gemm.recipe.Recipe` or registry name.
+      state: as :func:`fp4lab.qdot_general`'s (a key alone, or a
+        :class:`~fp4lab.gemm.state.GemmState`); expert ``e`` draws with
+        ``jax.random.fold_in(key, e)``; ``amax_history`` and ``channels`` are stacked per
+        expert (leading axis ``G``). No probe yet.
+      capacity: the most rows one expert receives (static; default ``M``). Rows beyond it
+        give NaN. Memory and time grow with ``G * capacity``; a top-k router over ``T``
+        tokens sends at most ``T`` rows to an expert.
+      backend: as :func:`fp4lab.qdot_general`'s.
+      precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
+      preferred_element_type: output dtype (default: the operands' result type).
+    Returns ``(M, N)``.
+    """
+    del precision
+    recipe = get_recipe(recipe)
+    capacity = _check(lhs, rhs, group_sizes, capacity)
+    groups, k = jnp.shape(rhs)[0], jnp.shape(rhs)[1]
+    state = _expert_state(recipe, state, groups, k, backend)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    return _grouped(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes), state,
+                    recipe=recipe, out_dtype=out_dtype, backend=backend, capacity=capacity)

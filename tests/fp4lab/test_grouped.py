@@ -1,0 +1,236 @@
+"""qragged_dot (fp4lab/gemm/grouped.py) against its definition: the loop over experts that
+calls qdot_general on each expert's rows with ``fold_in(key, e)``, for every registered recipe,
+the forward and both gradients, bit for bit.
+
+The loop's per-expert dots and the grouped GEMM's batched dots are XLA's, which may sum in
+another order for another shape (a one-row dot is a matrix-vector product). So the comparison
+runs with the dot accumulated exactly (``exact_dot``: the exact products summed with
+``math.fsum``, then rounded once to float32, in both), which leaves every other bit to fp4lab;
+XLA's own accumulation is checked separately against the same bound as any float32 dot.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import adversarial
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fp4lab
+from fp4lab.features.delayed import init_history
+from fp4lab.features.outcontrol import channel_order
+from fp4lab.gemm import grouped
+from fp4lab.gemm import qdot as qdot_module
+from fp4lab.gemm.grouped import qragged_dot
+from fp4lab.gemm.state import GemmState
+
+# an empty expert, a one-token expert, and 35 = 2 * 16 + 3 = 32 + 3 tokens: partial NVFP4 and
+# MX blocks along the tokens in wgrad, after whole ones
+GROUP_SIZES = (1, 0, 35)
+M, K, N = sum(GROUP_SIZES), 32, 32
+DN = (((1,), (0,)), ((), ()))
+
+
+def _pool(rng) -> np.ndarray:
+    """Adversarial rows (values beside the rounding boundaries of NVFP4 for amax 3.0625, and of
+    MXFP8), 32 wide, with the NVFP4 case's amax row first."""
+    nv = adversarial.cases("nvfp4")[0].x.reshape(-1, 32)
+    mx = adversarial.cases("mxfp8")[0].x[:, :32]
+    first = nv[np.argmax(np.abs(nv).max(1))]
+    rest = np.concatenate([nv, mx])[rng.permutation(len(nv) + len(mx))]
+    return np.concatenate([first[None], rest])
+
+
+def _operands(seed=0):
+    rng = np.random.default_rng(seed)
+    pool = _pool(rng)
+    x = pool[:M].copy()
+    x[M - 2] = 0.0  # a zero row, a signed zero, a subnormal
+    x[M - 3, :3] = (-0.0, 1e-40, -3e-39)
+    w = np.stack([pool[M + i * K:M + (i + 1) * K, :N] * 0.25 for i in range(len(GROUP_SIZES))])
+    dy = pool[-M:, :N][::-1].copy()
+    return (jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+            jnp.asarray(dy, jnp.float32))
+
+
+def _fsum(a, b):
+    """float32 of the exact sum of ``a * b`` over the last axis (exact float64 products of
+    float32 values; ``math.fsum``: the correctly rounded sum; non-finite terms: IEEE's sum, the
+    same in any order)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    out = np.empty(p.shape[:-1], np.float32)
+    for i in np.ndindex(out.shape):
+        t = p[i]
+        out[i] = math.fsum(t) if np.isfinite(t).all() else np.sum(t)
+    return out
+
+
+def _exact_dot(a, b, dn):
+    """qdot's ``_dot`` with an order-independent accumulation (module docstring)."""
+    dt = jnp.promote_types(a.dtype, b.dtype)
+    a, b = (t.astype(dt).astype(jnp.float32) for t in (a, b))
+    (lc, rc), (lb, rb) = dn
+    lf = [d for d in range(a.ndim) if d not in (*lc, *lb)]
+    rf = [d for d in range(b.ndim) if d not in (*rc, *rb)]
+
+    def host(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        size = lambda t, dims: math.prod(t.shape[d] for d in dims)  # noqa: E731
+        a = np.transpose(a, (*lb, *lf, *lc)).reshape(size(a, lb), size(a, lf), size(a, lc))
+        b = np.transpose(b, (*rb, *rf, *rc)).reshape(size(b, rb), size(b, rf), size(b, rc))
+        return _fsum(a[:, :, None, :], b[:, None, :, :])
+
+    shape = jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dn,
+                                             preferred_element_type=jnp.float32), a, b).shape
+    return jax.pure_callback(lambda a, b: host(a, b).reshape(shape),
+                             jax.ShapeDtypeStruct(shape, jnp.float32), a, b,
+                             vmap_method="sequential")
+
+
+@pytest.fixture
+def exact_dot(monkeypatch):
+    monkeypatch.setattr(qdot_module, "_dot", _exact_dot)
+    grouped._grouped.clear_cache()  # traced with XLA's dot elsewhere
+    yield
+    grouped._grouped.clear_cache()
+
+
+def _state(recipe, key, k=K, groups=3, per_expert=True):
+    """A grouped call's state (stacked per expert) or expert ``per_expert``'s own."""
+    hist = init_history(recipe.delayed) + 1.5 if recipe.delayed else None
+    chans = (jnp.stack([channel_order(jnp.arange(k, dtype=jnp.float32) * (e + 1) % 7)
+                        for e in range(groups)]) if recipe.outliers else None)
+    if per_expert is True:
+        return GemmState(key, None, None if hist is None else jnp.stack([hist] * groups), chans)
+    e = per_expert
+    return GemmState(None if key is None else jax.random.fold_in(key, e), None, hist,
+                     None if chans is None else chans[e])
+
+
+def _loop(x, w, dy, sizes, recipe, key):
+    """The definition: qdot_general on each expert's rows, forward and gradients (each
+    expert's own vjp: autodiff through slices would add the experts' zero-padded gradients,
+    turning a -0 into +0); one compiled program."""
+    return jax.jit(functools.partial(_loop_eager, sizes=sizes, recipe=recipe))(x, w, dy, key)
+
+
+def _loop_eager(x, w, dy, key, *, sizes, recipe):
+    ends = np.cumsum(sizes)
+    out = []
+    for e, (n, end) in enumerate(zip(sizes, ends, strict=True)):
+        rows = slice(end - n, end)
+        f = functools.partial(fp4lab.qdot_general, dimension_numbers=DN, recipe=recipe,
+                              state=_state(recipe, key, per_expert=e))
+        y, vjp = jax.vjp(f, x[rows], w[e])
+        out.append((y, *vjp(dy[rows])))
+    ys, dxs, dws = zip(*out, strict=True)
+    return jnp.concatenate(ys), jnp.concatenate(dxs), jnp.stack(dws)
+
+
+def _grads(f, x, w, dy):
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy))
+
+
+def assert_same_bits(a, b, what):
+    """Equal bit for bit, NaN payloads aside."""
+    a, b = np.asarray(a), np.asarray(b)
+    nan = np.isnan(a) & np.isnan(b)
+    diff = (a.view(np.uint32) != b.view(np.uint32)) & ~nan
+    assert not diff.any(), (f"{what}: {diff.sum()} of {diff.size} differ, first at "
+                            f"{np.argwhere(diff)[0]}: {a[diff][0]!r} vs {b[diff][0]!r}")
+
+
+# Every quantizer family and recipe feature under vmap (each recipe costs ~5 s of compilation
+# on the CI CPU): pass-through, FP8 delayed / blockwise, MX, NVFP4 (2D tiles, RHT, SR), 4/6,
+# the published recipes (Quartet II's scales found div's vmap rewrite), OutControl's channels,
+# QAT, GGML, a saved X. FP4LAB_ALL_RECIPES=1: every registered recipe (all pass).
+_REPRESENTATIVE = ("bf16", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4", "nvfp4_4over6",
+                   "quartet_ii", "tetrajet_v2_outcontrol", "fp4_all_the_way", "fp4_qat",
+                   "q4_0_qat", "bf16_saved_e5m6_pow2")
+
+
+@pytest.mark.parametrize("recipe", fp4lab.recipe_names() if os.environ.get(
+    "FP4LAB_ALL_RECIPES") else _REPRESENTATIVE)
+def test_every_recipe_is_the_loop_over_experts(recipe, exact_dot):
+    r = fp4lab.get_recipe(recipe)
+    x, w, dy = _operands()
+    key = jax.random.key(7) if r.needs_key else None
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    got = _grads(lambda a, b: qragged_dot(a, b, sizes, r, _state(r, key)), x, w, dy)
+    want = _loop(x, w, dy, GROUP_SIZES, r, key)
+    for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert_same_bits(a, b, f"{recipe} {what}")
+
+
+def test_xla_accumulation_differs_from_the_loop_only_by_summation_order():
+    """With XLA's own float32 dots (the one-token expert's is a matrix-vector product), the
+    grouped GEMM and the loop agree within float32 accumulation error."""
+    r = fp4lab.get_recipe("nvfp4")
+    x, w, dy = _operands(1)
+    key = jax.random.key(1)
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    got = _grads(lambda a, b: qragged_dot(a, b, sizes, r, key), x, w, dy)
+    want = _loop(x, w, dy, GROUP_SIZES, r, key)
+    for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        b = np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=M * 2.0**-23 * np.abs(b).max(),
+                                   err_msg=what)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8"])
+def test_inf_and_nan_stay_in_their_expert(recipe, exact_dot):
+    """A NaN in expert 0's row and an inf in the weight of expert 1 (which has no rows): the
+    loop's results, expert 2's all finite (jax.lax.ragged_dot on CPU multiplies expert 1's inf
+    by the zeros it puts in the other experts' rows, and every row becomes NaN)."""
+    r = fp4lab.get_recipe(recipe)
+    x, w, dy = _operands(2)
+    x, w = x.at[0, 3].set(jnp.nan), w.at[1, 5, 1].set(jnp.inf)
+    key = jax.random.key(2) if r.needs_key else None
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    got = _grads(lambda a, b: qragged_dot(a, b, sizes, r, key), x, w, dy)
+    want = _loop(x, w, dy, GROUP_SIZES, r, key)
+    for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert_same_bits(a, b, f"{recipe} {what}")
+    y, dx, dw = map(np.asarray, got)
+    assert np.isfinite(y[1:]).all() and np.isfinite(dx[1:]).all() and np.isfinite(dw[2]).all()
+    assert np.isnan(y[0]).any()
+
+
+def test_rows_after_the_groups_are_zero_and_rows_beyond_capacity_nan():
+    x, w, dy = _operands(3)
+    f = jax.jit(lambda x, w, sizes: qragged_dot(x, w, sizes, "mxfp8", capacity=20))
+    y, vjp = jax.vjp(lambda x: f(x, w, jnp.asarray([3, 0, 30])), x)
+    (dx,) = vjp(dy)
+    y, dx = np.asarray(y), np.asarray(dx)
+    assert (y[33:] == 0).all() and (dx[33:] == 0).all()  # rows after sum(group_sizes)
+    assert np.isnan(y[23:33]).all() and np.isfinite(y[:23]).all()  # expert 2's rows 20..29
+    assert (dx[23:33] == 0).all()
+    ok = np.asarray(qragged_dot(x, w, jnp.asarray([3, 0, 30]), "mxfp8"))
+    np.testing.assert_array_equal(y[:23], ok[:23])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w, s: qragged_dot(x[None], w, s), r"lhs \(M, K\) and rhs \(G, K, N\)"),
+    (lambda x, w, s: qragged_dot(x, w[:, :5], s), r"lhs \(M, K\) and rhs \(G, K, N\)"),
+    (lambda x, w, s: qragged_dot(x, w, s[:2]), r"group_sizes must be integers of shape \(3,\)"),
+    (lambda x, w, s: qragged_dot(x, w, s * 1.0), r"group_sizes must be integers"),
+    (lambda x, w, s: qragged_dot(x, w, s.at[1].set(-1)), r"negative size"),
+    (lambda x, w, s: qragged_dot(x, w, s, capacity=0), r"capacity=0"),
+    (lambda x, w, s: qragged_dot(x, w, s, "nvfp4"), r"stochastic rounding: pass a key"),
+    (lambda x, w, s: qragged_dot(x, w, s, "bf16", GemmState(probe=fp4lab.probe_zeros())),
+     r"probe"),
+    (lambda x, w, s: qragged_dot(x, w, s, "fp8_delayed", GemmState(
+        amax_history=init_history(fp4lab.get_recipe("fp8_delayed").delayed))),
+     r"amax_history has shape \(6, \d+\); qragged_dot takes one per expert"),
+])
+def test_bad_arguments_are_refused_by_name(call, message):
+    x, w, _ = _operands()
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(x, w, jnp.asarray(GROUP_SIZES, jnp.int32))
