@@ -54,11 +54,11 @@ from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's
 
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
-from fp4lab.flax.ops import NONE_FOUND
+from fp4lab.flax.ops import NONE_FOUND, check_expert_recipe
 from fp4lab.flax.nnx import (OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp,
                              probe_records)
-from fp4lab.policy import (OP_KINDS, ExplainTable, PrecisionPolicy, check_unused, get_policy,
-                           param_layers)
+from fp4lab.policy import (EXPERT_KINDS, OP_KINDS, ExplainTable, PrecisionPolicy, check_unused,
+                           get_policy, param_layers)
 from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
@@ -200,6 +200,7 @@ def _install(policy: PrecisionPolicy, gemms: list, num_blocks, make: _GemmMaker)
             op = _nnx.stacked(make(op_type, g.path, a.recipe), g.stack)
             setattr(g.module, hook, flax_nnx.data(op))
         else:
+            check_expert_recipe(g.path, g.call[1], a.recipe)
             op = make(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1])
             ops.setdefault(id(g.module), (g.module, {}))[1][g.call[0]] = _nnx.stacked(op,
                                                                                   g.stack)
@@ -258,9 +259,10 @@ class _Gemm(NamedTuple):
 
 def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
     """Every GEMM a policy can govern in an NNX model: its Linear/LinearGeneral/Einsum
-    layers, the calls of :func:`~fp4lab.flax.nnx.register_layer` types and, when the policy
-    has op rules, every ``jnp.einsum`` / ``lax.dot_general`` call inside its modules (found
-    by tracing ``model(*inputs, **call_kwargs)`` abstractly)."""
+    layers, the calls of :func:`~fp4lab.flax.nnx.register_layer` types, every
+    ``lax.ragged_dot`` call (an expert stack) and, when the policy has op rules, every
+    ``jnp.einsum`` / ``lax.dot_general`` call inside its modules (calls found by tracing
+    ``model(*inputs, **call_kwargs)`` abstractly)."""
     modules = {"/".join(map(str, p)): m for p, m in flax_nnx.iter_modules(model)}
     gemms = [_Gemm(path, _nnx.HOOKS[type(m)][0], _nnx.layer_stack(m), m)
              for path, m in modules.items() if type(m) in _nnx.HOOKS]
@@ -281,15 +283,13 @@ def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"quantize_model: {type(model).__name__} does not run on the example "
                          f"inputs (shapes {shapes}): {first}") from e
-    if not needs_calls:
-        return gemms
     for mpath, name, kind, stack in calls:
         module = modules[mpath]
         layer = _nnx.LAYER_CALLS.get(type(module)) if kind == "lax.dot_general" else None
         if layer is not None:
             path = mpath if name == "dot_general_0" else f"{mpath}/{name}"
             gemms.append(_Gemm(path, layer, stack, module, (name, kind)))
-        elif policy.governs_ops:
+        elif policy.governs_ops or kind in EXPERT_KINDS:
             gemms.append(_Gemm(f"{mpath}/{name}" if mpath else name, kind, stack, module,
                                (name, kind)))
     return gemms

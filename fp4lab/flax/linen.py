@@ -21,9 +21,10 @@ from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.flax.internals import linen_calling_module, linen_einsum_bias_shape
 from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, note_weight,
                                      stack_of)
-from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, operand_w, operand_x,
-                             quantized_call, runs_as_written, trace_abstractly)
-from fp4lab.policy import (Assignment, ExplainTable, PrecisionPolicy, check_unused,
+from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, check_expert_recipe,
+                             operand_w, operand_x, quantized_call, runs_as_written,
+                             trace_abstractly)
+from fp4lab.policy import (OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused,
                            param_layers)
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe, get_recipe
@@ -125,6 +126,7 @@ class _OpNamer(CallCounter):
 
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call with its module's key, probe, amax history and OutControl."""
+    check_expert_recipe(op_path, kind, recipe)
     state = gemm_state(module, recipe, name, lambda: operand_x(op_path, kind, args, kwargs))
     return quantized_call(op_path, kind, recipe, args, kwargs, state, backend=backend)
 
@@ -203,11 +205,15 @@ class QuantizedLinen:
                 return next_fun(*args, **kwargs)
             path = "/".join(m.scope.path)
             met[path] = a = self.policy.assign(path, kind, num_blocks, stack=stack_of(m))
+            if a.recipe is None:  # a router no rule names
+                return next_fun(*args, **kwargs)
             return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
         namer = _OpNamer()
 
         def op(kind, original, args, kwargs):
+            if kind in OP_KINDS and not self.policy.governs_ops:
+                return original(*args, **kwargs)  # only rules of an op's kind govern it
             found = namer(kind, args, kwargs)
             if found is None or found[0].is_initializing():
                 return original(*args, **kwargs)
@@ -225,8 +231,7 @@ class QuantizedLinen:
                                    {mutable} if isinstance(mutable, str) else set())
         with contextlib.ExitStack() as stack:
             stack.enter_context(nn.intercept_methods(intercept))
-            if self.policy.governs_ops:
-                stack.enter_context(OpCalls.intercepted(op))
+            stack.enter_context(OpCalls.intercepted(op))  # ragged_dot: always governed
             token = PASSED.set(frozenset(passed))
             stack.callback(PASSED.reset, token)
             return self.model.apply(variables, *args, **kwargs), met

@@ -22,6 +22,7 @@ from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swa
 from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_written,
                              trace_abstractly)
 from fp4lab.features.probes import probe_table, probe_zeros
+from fp4lab.policy.rules import EXPERT_KINDS
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe, get_recipe
 from fp4lab.gemm.state import GemmState
@@ -261,6 +262,11 @@ def _handler(record=None):
             record(m, name, kind)
             return original(*args, **kwargs)
         q = getattr(m, OPS_ATTR, {}).get(name)
+        if q is None and kind in EXPERT_KINDS:
+            raise ValueError(f"{type(m).__name__} calls jax.lax.ragged_dot ({name}), which "
+                             "quantize_model did not see: an NNX model's calls inside its "
+                             "modules are found by running it on example inputs, "
+                             "quantize_model(model, policy, x)")
         if q is None or runs_as_written(q.recipe, q.call, args):
             return original(*args, **kwargs)
         return q(args, kwargs)
@@ -316,11 +322,13 @@ def _intercepting(cls: type) -> type:
 
 def intercept_ops(model: nnx.Module) -> None:
     """Make every module of ``model`` through which a quantized call can be reached (the
-    modules holding ``fp4lab_ops`` and those above them) intercept the calls made inside any
-    of its methods, in place: ``model(x)``, ``model.forward(x)`` and ``model.blocks[0](x)``
+    modules holding ``fp4lab_ops`` and those above them, and the model itself) intercept the
+    calls made inside any of its methods, in place: ``model(x)``, ``model.forward(x)`` and ``model.blocks[0](x)``
     quantize the same calls."""
     modules = list(nnx.iter_modules(model))
-    holders = [path for path, m in modules if OPS_ATTR in vars(m)]
+    # the model itself always intercepts: a ragged_dot call that quantize_model did not find
+    # (no example inputs) is then refused at the call, never run unquantized
+    holders = [()] + [path for path, m in modules if OPS_ATTR in vars(m)]
     for path, m in modules:
         if not getattr(type(m), "_fp4lab_intercepts", False) and any(
                 tuple(h[:len(path)]) == tuple(path) for h in holders):

@@ -1,11 +1,12 @@
-"""Intercepting the ``jnp.einsum`` / ``jax.lax.dot_general`` calls made inside modules, as qwix
-does: the machinery that Linen's :class:`~fp4lab.flax.linen.QuantizedLinen` and NNX's
-:func:`~fp4lab.flax.quantize_model` share.
+"""Intercepting the ``jnp.einsum`` / ``jax.lax.dot_general`` / ``jax.lax.ragged_dot`` calls made
+inside modules, as qwix does: the machinery that Linen's
+:class:`~fp4lab.flax.linen.QuantizedLinen` and NNX's :func:`~fp4lab.flax.quantize_model` share.
 
-A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``): ``n`` counts the calls of
-that kind the module made so far in one invocation of it (:class:`CallCounter`), so the names
-are places in the module's code, whichever transform traces it and however often it is called.
-The first operand plays X and the second W.
+A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``, ``ragged_dot_<n>``): ``n``
+counts the calls of that kind the module made so far in one invocation of it
+(:class:`CallCounter`), so the names are places in the module's code, whichever transform
+traces it and however often it is called. The first operand plays X and the second W (a
+``ragged_dot``'s expert stack, quantized expert by expert by :func:`fp4lab.qragged_dot`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.gemm.einsum import plan_einsum
+from fp4lab.gemm.grouped import qragged_dot
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe
 
@@ -27,8 +29,12 @@ __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
-              "(NNX) layer, and only jnp.einsum / lax.dot_general calls are intercepted, by "
-              "rules of those op kinds (x @ w, jnp.matmul and jnp.dot never are)")
+              "(NNX) layer and no jax.lax.ragged_dot call, and jnp.einsum / lax.dot_general "
+              "calls are intercepted only by rules of those op kinds (x @ w, jnp.matmul and "
+              "jnp.dot never are)")
+# the intercepted functions: kind -> (module, attribute)
+_TARGETS = {"lax.dot_general": (jax.lax, "dot_general"), "jnp.einsum": (jnp, "einsum"),
+            "lax.ragged_dot": (jax.lax, "ragged_dot")}
 
 
 def _is_array(v) -> bool:
@@ -58,11 +64,12 @@ def operand_w(kind: str, args):
 
 
 class OpCalls:
-    """While active (in this thread), ``jax.lax.dot_general`` and ``jnp.einsum`` calls go to
-    a handler: ``handler(kind, original, args, kwargs)``. The two names are patched only while
-    some thread has a handler; calls from other threads, and the calls the handler itself
-    makes (fp4lab's own GEMMs use ``lax.dot_general``), go to the originals. Only calls
-    through these attributes are seen: ``x @ w`` and ``jnp.matmul`` are not."""
+    """While active (in this thread), ``jax.lax.dot_general``, ``jnp.einsum`` and
+    ``jax.lax.ragged_dot`` calls go to a handler: ``handler(kind, original, args, kwargs)``.
+    The names are patched only while some thread has a handler; calls from other threads, and
+    the calls the handler itself makes (fp4lab's own GEMMs use ``lax.dot_general``), go to
+    the originals. Only calls through these attributes are seen: ``x @ w`` and
+    ``jnp.matmul`` are not."""
 
     _local = threading.local()
     _lock = threading.Lock()
@@ -89,10 +96,9 @@ class OpCalls:
     def intercepted(cls, handler):
         with cls._lock:
             if cls._active == 0:
-                cls._originals = {"lax.dot_general": jax.lax.dot_general,
-                                  "jnp.einsum": jnp.einsum}
-                jax.lax.dot_general = cls._wrapper("lax.dot_general")
-                jnp.einsum = cls._wrapper("jnp.einsum")
+                cls._originals = {k: getattr(*t) for k, t in _TARGETS.items()}
+                for kind, (where, name) in _TARGETS.items():
+                    setattr(where, name, cls._wrapper(kind))
             cls._active += 1
         previous = getattr(cls._local, "handler", None)
         cls._local.handler = handler
@@ -103,12 +109,12 @@ class OpCalls:
             with cls._lock:
                 cls._active -= 1
                 if cls._active == 0:
-                    jax.lax.dot_general = cls._originals["lax.dot_general"]
-                    jnp.einsum = cls._originals["jnp.einsum"]
+                    for kind, (where, name) in _TARGETS.items():
+                        setattr(where, name, cls._originals[kind])
 
 
 class CallCounter:
-    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>``: ``n`` counts the calls of
+    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>`` / ``ragged_dot_<n>``: ``n`` counts the calls of
     that kind made so far in the same invocation of the module (the outermost of its methods
     that is running), in call order. A name is thus a place in the module's code, as a
     parameter's name is: a transform that traces the module's body again (Linen's ``nn.scan``
@@ -122,7 +128,7 @@ class CallCounter:
     def __call__(self, module, owner, kind: str) -> str:
         """The name of ``module``'s call of ``kind`` now running (``owner``: the module's
         path, which names it in the model)."""
-        short = "einsum" if kind == "jnp.einsum" else "dot_general"
+        short = kind.split(".")[-1]
         key = (owner, short, _invocation(module))
         n = self.counts.get(key, 0)
         self.counts[key] = n + 1
@@ -178,11 +184,44 @@ def operand_x(op_path: str, kind: str, args, kwargs) -> tuple:
     return lhs, dims
 
 
+def _ragged_operands(op_path: str, args, kwargs) -> tuple:
+    """``(lhs, rhs, group_sizes)`` of an intercepted ``lax.ragged_dot``, or an error naming
+    the op (``group_offset``: sharded groups, which ``qragged_dot`` does not take)."""
+    names = ("lhs", "rhs", "group_sizes", "precision", "preferred_element_type",
+             "group_offset")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if bound.get("group_offset") is not None:
+        raise ValueError(f"op {op_path}: a policy quantizes this jax.lax.ragged_dot, but it "
+                         "passes group_offset (groups sharded away), which "
+                         "fp4lab.qragged_dot does not take")
+    return bound["lhs"], bound["rhs"], bound["group_sizes"], bound.get(
+        "preferred_element_type")
+
+
+def check_expert_recipe(op_path: str, kind: str, recipe: Recipe) -> None:
+    """Refuse, by name, what an intercepted ``ragged_dot`` cannot take yet: per-expert state
+    that a model's collections would have to hold stacked (delayed scaling's amax histories,
+    OutControl's channels)."""
+    if kind != "lax.ragged_dot":
+        return
+    for feature, on in (("delayed scaling's amax history", recipe.delayed is not None),
+                        ("OutControl's channel split", recipe.outliers is not None)):
+        if on:
+            raise ValueError(f"op {op_path}: recipe {recipe.name} uses {feature}, which "
+                             "fp4lab does not yet keep per expert for an intercepted "
+                             "jax.lax.ragged_dot (fp4lab.qragged_dot takes it stacked); use "
+                             "a rule with another recipe for this expert stack")
+
+
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, state=None, *,
                    backend: str = "auto"):
-    """An intercepted call through ``qeinsum`` / ``qdot_general`` (first operand X, second
-    W) with the GEMM's ``state`` (a :class:`~fp4lab.gemm.state.GemmState`); ``op_path``
-    names it in errors."""
+    """An intercepted call through ``qeinsum`` / ``qdot_general`` / ``qragged_dot`` (first
+    operand X, second W) with the GEMM's ``state`` (a
+    :class:`~fp4lab.gemm.state.GemmState`); ``op_path`` names it in errors."""
+    if kind == "lax.ragged_dot":
+        lhs, rhs, sizes, out = _ragged_operands(op_path, args, kwargs)
+        return qragged_dot(lhs, rhs, sizes, recipe, state, backend=backend,
+                           preferred_element_type=out)
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
     if kind == "jnp.einsum":
         return qeinsum(*_einsum_operands(op_path, args), recipe, state, backend=backend, **kw)

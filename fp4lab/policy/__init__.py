@@ -31,8 +31,9 @@ names.
 from fp4lab.policy.presets import all_layers, nemotron3, nvfp4_paper
 from fp4lab.policy.registry import (PRESETS, get_policy, known_policies, register_policy,
                                     register_policy_family)
-from fp4lab.policy.rules import (LAYER_KINDS, OP_KINDS, Assignment, Depth, PolicyWarning,
-                                 PrecisionPolicy, Rule, block_pattern_for)
+from fp4lab.policy.rules import (EXPERT_KINDS, INTERCEPTED_KINDS, LAYER_KINDS, OP_KINDS,
+                                 Assignment, Depth, PolicyWarning, PrecisionPolicy, Rule,
+                                 block_pattern_for)
 from fp4lab.policy.serialization import (load_policy, policy_from_dict, policy_to_dict,
                                          save_policy)
 from fp4lab.policy.table import ExplainTable, check_unused, explain, param_layers
@@ -40,5 +41,6 @@ from fp4lab.policy.table import ExplainTable, check_unused, explain, param_layer
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "ExplainTable", "explain", "PRESETS",
            "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
            "policy_from_dict", "load_policy", "save_policy", "block_pattern_for",
-           "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "check_unused", "register_policy",
-           "register_policy_family", "known_policies", "param_layers"]
+           "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "EXPERT_KINDS", "INTERCEPTED_KINDS",
+           "check_unused", "register_policy", "register_policy_family", "known_policies",
+           "param_layers"]

@@ -11,15 +11,32 @@ from collections.abc import Iterable
 from fp4lab.gemm.recipe import Recipe, get_recipe
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "block_pattern_for",
-           "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "DEFAULT_BLOCK_PATTERN"]
+           "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "EXPERT_KINDS", "INTERCEPTED_KINDS",
+           "DEFAULT_BLOCK_PATTERN", "ROUTER_PATTERN", "is_router"]
 
 # a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...)
 DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)"
                          r"[_./]?(\d+)(?=/|$)")
 # the kinds of GEMM a rule can name: fp4lab.flax's Linen and NNX layer classes, lower case,
-# and the calls inside modules that fp4lab.flax intercepts (OP_KINDS)
+# and the calls inside modules that fp4lab.flax intercepts: general calls (OP_KINDS), which
+# only rules of their kind quantize (an einsum may be attention's scores), and the grouped
+# GEMMs of MoE experts (EXPERT_KINDS), which are always an expert stack's GEMM and are
+# assigned as layers are (the policy's rules and its default)
 OP_KINDS = ("lax.dot_general", "jnp.einsum")
-LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + OP_KINDS
+EXPERT_KINDS = ("lax.ragged_dot",)
+INTERCEPTED_KINDS = OP_KINDS + EXPERT_KINDS
+LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + INTERCEPTED_KINDS
+# an MoE router, by the name of a path element (``router``, ``router_logits``; ``gate`` as
+# Mixtral, DeepSeek, Qwen-MoE and MaxText name theirs; not ``gate_proj`` or ``wi_0``): the
+# seed systems keep its GEMM and scores in high precision, so neither the policy's default
+# nor a catch-all rule reaches it; only a rule whose pattern is not a catch-all does
+ROUTER_PATTERN = r"(?i)(?:.*/)?(?:router\w*|gate)(?:_\d+)?(?:/.*)?"
+CATCH_ALL_PATTERNS = frozenset({".*", ".+", "(?s).*", "(?s).+"})
+
+
+def is_router(path: str) -> bool:
+    """Whether ``path`` names an MoE router (:data:`ROUTER_PATTERN`)."""
+    return re.fullmatch(ROUTER_PATTERN, path) is not None
 
 
 class PolicyWarning(UserWarning):
@@ -168,7 +185,9 @@ class PrecisionPolicy:
         """The one place a GEMM gets its recipe: the first matching rule, else the default.
         An intercepted call (``kind`` an op kind: ``jnp.einsum``, ``lax.dot_general``) takes
         rules of that op kind only, never the default or a layer rule; with none matching its
-        recipe is ``None`` (it runs unquantized). A layer or call whose path has no block and
+        recipe is ``None`` (it runs unquantized). A ``lax.ragged_dot`` call (an MoE expert
+        stack) is assigned as a layer is. An MoE router (:data:`ROUTER_PATTERN`) is reached
+        only by a rule whose pattern is not a catch-all; else its recipe is ``None`` too. A layer or call whose path has no block and
         which runs ``stack`` blocks stacked for a scan (one traced body) gets the one recipe
         the rules give every block, or is refused where they differ (depth rules)."""
         if stack and self.block_of(path) is None:
@@ -178,9 +197,12 @@ class PrecisionPolicy:
 
     def _assign_block(self, path, kind, num_blocks, block) -> Assignment:
         op = kind in OP_KINDS
+        router = not op and is_router(path)
         for i, r in enumerate(self.rules):
             if op and r.kind != kind:  # an intercepted call: rules of its op kind only
                 continue
+            if router and r.pattern in CATCH_ALL_PATTERNS:
+                continue  # a router is reached only by a rule that names it
             if not re.fullmatch(r.pattern, path):
                 continue
             if r.kind is not None and r.kind != kind:
@@ -196,7 +218,7 @@ class PrecisionPolicy:
                 if not r.depth.selects(block, num_blocks):
                     continue
             return Assignment(path, kind, block, r.recipe, i)
-        return Assignment(path, kind, block, None if op else self.default, None)
+        return Assignment(path, kind, block, None if op or router else self.default, None)
 
     def _assign_stacked(self, path, kind, num_blocks, stack) -> Assignment:
         rows = [self._assign_block(path, kind, num_blocks, i) for i in range(math.prod(stack))]

@@ -7,7 +7,7 @@ import math
 import warnings
 from collections.abc import Iterable
 
-from fp4lab.policy.rules import PolicyWarning, PrecisionPolicy
+from fp4lab.policy.rules import OP_KINDS, PolicyWarning, PrecisionPolicy
 from fp4lab.gemm.recipe import Recipe
 
 __all__ = ["ExplainTable", "explain", "check_unused", "param_layers"]
@@ -30,7 +30,8 @@ class ExplainTable(list):
         for a, name in zip(self, names, strict=True):
             rule = "default" if a.rule is None else self.policy.rules[a.rule].label()
             if a.recipe is None:
-                rule = "no rule of this op kind: not quantized"
+                rule = ("no rule of this op kind: not quantized" if a.kind in OP_KINDS else
+                        "a router: not quantized unless a rule names it")
             blk = "-" if a.block is None else str(a.block)
             if a.stack:
                 blk = f"0-{math.prod(a.stack) - 1}"

@@ -1,0 +1,157 @@
+"""Mixture-of-Experts models written without fp4lab (Linen and NNX: a float32 router, a top-k
+dropless dispatch through ``jax.lax.ragged_dot``, experts in a latent width, a shared expert)
+under ``quantize_model``: the expert stacks' ``ragged_dot`` calls follow the policy (its
+default and rules, as layers do), ``explain`` lists them, the router stays as written unless a
+rule names it, and the quantized model computes what the same model with its ``ragged_dot``
+calls replaced by ``fp4lab.qragged_dot`` computes, gradients included."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4lab
+from fp4lab.flax import assignments, quantize_model
+from fp4lab.policy import PolicyWarning, Rule, nemotron3
+
+E, TOP_K, D, LATENT, HIDDEN, T = 4, 2, 32, 32, 64, 24
+
+
+def _dispatch(x, logits, top_k, experts):
+    """Top-k routing of the rows of ``x``: the rows sorted by expert, the group sizes, the
+    order (to put them back) and the routing weights."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, idx = jax.lax.top_k(probs, top_k)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.repeat(x, top_k, axis=0)[order]
+    return rows, jnp.bincount(flat, length=experts).astype(jnp.int32), order, weights
+
+
+def _combine(y, order, weights):
+    back = jnp.zeros_like(y).at[order].set(y)
+    return (back.reshape(weights.shape + y.shape[-1:]) * weights[..., None]).sum(1)
+
+
+def _experts(rows, sizes, w_up, w_down, ragged):
+    return ragged(jax.nn.silu(ragged(rows, w_up, sizes)), w_down, sizes)
+
+
+class LinenMoE(nn.Module):
+    """``ragged``: None calls ``jax.lax.ragged_dot`` (what fp4lab intercepts); else the
+    function to call instead (the test's reference)."""
+
+    ragged: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        ragged = self.ragged or (lambda a, b, s: jax.lax.ragged_dot(a, b, s))
+        init = nn.initializers.normal(0.1)
+        logits = nn.Dense(E, name="router", dtype=jnp.float32)(x.astype(jnp.float32))
+        z = nn.Dense(LATENT, name="latent_down")(x)
+        rows, sizes, order, weights = _dispatch(z, logits, TOP_K, E)
+        y = _experts(rows, sizes, self.param("w_up", init, (E, LATENT, HIDDEN)),
+                     self.param("w_down", init, (E, HIDDEN, LATENT)), ragged)
+        return nn.Dense(D, name="latent_up")(_combine(y, order, weights)) + nn.Dense(
+            D, name="shared")(x)
+
+
+class NNXMoE(nnx.Module):
+    def __init__(self, rngs, ragged=None):
+        self.ragged = ragged
+        self.router = nnx.Linear(D, E, rngs=rngs)
+        self.w_up = nnx.Param(jax.random.normal(rngs.params(), (E, D, HIDDEN)) * 0.1)
+        self.w_down = nnx.Param(jax.random.normal(rngs.params(), (E, HIDDEN, D)) * 0.1)
+
+    def __call__(self, x):
+        ragged = self.ragged or (lambda a, b, s: jax.lax.ragged_dot(a, b, s))
+        rows, sizes, order, weights = _dispatch(x, self.router(x), TOP_K, E)
+        return _combine(_experts(rows, sizes, self.w_up[...], self.w_down[...], ragged),
+                        order, weights)
+
+
+def _x(seed=0, n=T):
+    return jax.random.normal(jax.random.key(seed), (n, D), jnp.float32)
+
+
+def test_linen_moe_under_nemotron3_keeps_router_and_latent_and_quantizes_experts():
+    model = LinenMoE()
+    x = _x()
+    params = model.init(jax.random.key(1), x)
+    qm = quantize_model(model, nemotron3())
+    table = qm.explain(params, x)
+    rows = {a.path: a for a in table}
+    assert rows["router"].recipe is None
+    assert rows["latent_down"].recipe.name == rows["latent_up"].recipe.name == "bf16"
+    for call in ("ragged_dot_0", "ragged_dot_1"):
+        assert rows[call].kind == "lax.ragged_dot" and rows[call].recipe.name == "nvfp4"
+        assert rows[call].rule is None  # the policy's default
+    assert rows["shared"].recipe.name == "nvfp4"
+    text = str(table)
+    assert "ragged_dot_1" in text and "a router: not quantized unless a rule names it" in text
+
+
+def test_linen_moe_computes_the_model_with_qragged_dot_gradients_included():
+    x = _x(2)
+    model = LinenMoE()
+    params = model.init(jax.random.key(3), x)
+    policy = fp4lab.PrecisionPolicy(rules=(Rule(recipe="bf16", pattern="latent.*|shared"),),
+                                    default="mxfp8")
+    qm = quantize_model(model, policy)
+    ref = LinenMoE(ragged=functools.partial(fp4lab.qragged_dot, recipe="mxfp8"))
+    # the dense layers in BF16 through fp4lab, as the policy says, in the reference too
+    ref_q = quantize_model(ref, fp4lab.PrecisionPolicy(default="bf16"))
+
+    def loss(apply, p):
+        return jnp.sum(apply(p, x) ** 2)
+
+    got = jax.value_and_grad(functools.partial(loss, qm.apply))(params)
+    want = jax.value_and_grad(functools.partial(loss, ref_q.apply))(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # and the experts are quantized: unquantized experts give another loss
+    plain = quantize_model(model, fp4lab.PrecisionPolicy(rules=policy.rules, default="bf16"))
+    assert float(loss(plain.apply, params)) != float(got[0])
+
+
+def test_a_rule_that_names_the_router_reaches_it_and_a_catch_all_does_not():
+    model, x = LinenMoE(), _x()
+    params = model.init(jax.random.key(1), x)
+    catch_all = fp4lab.PrecisionPolicy(rules=(Rule(recipe="mxfp8", pattern=".*"),), default="nvfp4")
+    assert {a.path: a for a in quantize_model(model, catch_all).explain(params, x)}[
+        "router"].recipe is None
+    named = fp4lab.PrecisionPolicy(rules=(Rule(recipe="mxfp8", pattern="router"),), default="nvfp4")
+    assert {a.path: a for a in quantize_model(model, named).explain(params, x)}[
+        "router"].recipe.name == "mxfp8"
+
+
+def test_nnx_moe_is_found_from_example_inputs_and_refused_without_them():
+    x = _x(4)
+    model = quantize_model(NNXMoE(nnx.Rngs(0)), "all:mxfp8", x)
+    rows = {a.path: a for a in assignments(model)}
+    assert rows["ragged_dot_0"].recipe.name == rows["ragged_dot_1"].recipe.name == "mxfp8"
+    assert "router" not in rows  # runs as written
+    ref = NNXMoE(nnx.Rngs(0), ragged=functools.partial(fp4lab.qragged_dot, recipe="mxfp8"))
+    np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(ref(x)))
+
+    with pytest.warns(PolicyWarning, match="found no GEMM"):  # the router runs as written
+        blind = quantize_model(NNXMoE(nnx.Rngs(0)), "all:mxfp8")
+    with pytest.raises(ValueError, match="calls jax.lax.ragged_dot .* quantize_model did not "
+                                         "see"):
+        blind(x)
+
+
+def test_an_expert_stack_refuses_per_expert_state_by_name():
+    model, x = LinenMoE(), _x()
+    params = model.init(jax.random.key(1), x)
+    qm = quantize_model(model, fp4lab.PrecisionPolicy(default="bf16", rules=(
+        Rule(recipe="fp8_delayed", pattern=".*ragged_dot_0"),)))
+    with pytest.raises(ValueError, match="ragged_dot_0: recipe fp8_delayed uses delayed "
+                                         "scaling's amax history"):
+        qm.apply(params, x)
