@@ -147,13 +147,13 @@ def assert_same_bits(a, b, what):
                             f"{np.argwhere(diff)[0]}: {a[diff][0]!r} vs {b[diff][0]!r}")
 
 
-# Every quantizer family and recipe feature under vmap (each recipe costs ~5 s of compilation
-# on the CI CPU): pass-through, FP8 delayed / blockwise, MX, NVFP4 (2D tiles, RHT, SR), 4/6,
-# the published recipes (Quartet II's scales found div's vmap rewrite), OutControl's channels,
-# QAT, GGML, a saved X. FP4LAB_ALL_RECIPES=1: every registered recipe (all pass).
-_REPRESENTATIVE = ("bf16", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4", "nvfp4_4over6",
-                   "quartet_ii", "tetrajet_v2_outcontrol", "fp4_all_the_way", "fp4_qat",
-                   "q4_0_qat", "bf16_saved_e5m6_pow2")
+# Every kind of quantizer and recipe feature under vmap (each recipe costs ~5 s of compilation
+# on the CI CPU): pass-through, FP8 delayed scaling, MX, NVFP4 (2D tiles, RHT, SR), the
+# published recipes' scales (Quartet II's found div's vmap rewrite) with RHT128 and
+# requantization, OutControl's channels, QAT with GGML blocks, a saved X.
+# FP4LAB_ALL_RECIPES=1: every registered recipe (all 30 pass).
+_REPRESENTATIVE = ("bf16", "fp8_delayed", "mxfp8", "nvfp4", "quartet_ii",
+                   "tetrajet_v2_outcontrol", "q4_0_qat", "bf16_saved_e5m6_pow2")
 
 
 @pytest.mark.parametrize("recipe", fp4lab.recipe_names() if os.environ.get(
