@@ -161,7 +161,7 @@ def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
     make = _GemmMaker(seed, None if rngs is None else (
         rngs.quant() if "quant" in rngs else rngs()), backend, probes)
     assignments = _install(policy, gemms, num_blocks, make)
-    _nnx.intercept_ops(model)
+    _nnx.intercept_ops(model, guard=not (inputs or call_kwargs))
     unused = check_unused(policy, assignments, strict=strict, stacklevel=2,
                           none_found=NONE_FOUND)
     setattr(model, _RECORD, _Record(policy, tuple(assignments), tuple(unused)))

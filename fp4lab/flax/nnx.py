@@ -320,15 +320,15 @@ def _intercepting(cls: type) -> type:
     return _INTERCEPTING[cls]
 
 
-def intercept_ops(model: nnx.Module) -> None:
+def intercept_ops(model: nnx.Module, *, guard: bool = False) -> None:
     """Make every module of ``model`` through which a quantized call can be reached (the
-    modules holding ``fp4lab_ops`` and those above them, and the model itself) intercept the
-    calls made inside any of its methods, in place: ``model(x)``, ``model.forward(x)`` and ``model.blocks[0](x)``
+    modules holding ``fp4lab_ops`` and those above them; with ``guard``, the model itself)
+    intercept the calls made inside any of its methods, in place: ``model(x)``, ``model.forward(x)`` and ``model.blocks[0](x)``
     quantize the same calls."""
     modules = list(nnx.iter_modules(model))
-    # the model itself always intercepts: a ragged_dot call that quantize_model did not find
-    # (no example inputs) is then refused at the call, never run unquantized
-    holders = [()] + [path for path, m in modules if OPS_ATTR in vars(m)]
+    holders = [path for path, m in modules if OPS_ATTR in vars(m)]
+    if guard:  # calls not searched for (no example inputs): the model itself intercepts, so
+        holders.append(())  # a ragged_dot call is refused when it runs, never run unquantized
     for path, m in modules:
         if not getattr(type(m), "_fp4lab_intercepts", False) and any(
                 tuple(h[:len(path)]) == tuple(path) for h in holders):

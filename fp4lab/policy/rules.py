@@ -26,11 +26,13 @@ OP_KINDS = ("lax.dot_general", "jnp.einsum")
 EXPERT_KINDS = ("lax.ragged_dot",)
 INTERCEPTED_KINDS = OP_KINDS + EXPERT_KINDS
 LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + INTERCEPTED_KINDS
-# an MoE router, by the name of a path element (``router``, ``router_logits``; ``gate`` as
-# Mixtral, DeepSeek, Qwen-MoE and MaxText name theirs; not ``gate_proj`` or ``wi_0``): the
-# seed systems keep its GEMM and scores in high precision, so neither the policy's default
-# nor a catch-all rule reaches it; only a rule whose pattern is not a catch-all does
-ROUTER_PATTERN = r"(?i)(?:.*/)?(?:router\w*|gate)(?:_\d+)?(?:/.*)?"
+# an MoE router, by name: a path element ``router...``, or ``gate`` inside a module whose
+# name says MoE (Mixtral's ``block_sparse_moe/gate``, MaxText's ``MoeBlock_0/gate``; a bare
+# ``mlp/gate`` or ``experts/gate`` may be a GLU's gate, so DeepSeek's and Qwen-MoE's
+# ``mlp/gate`` routers need a rule): the seed systems keep its GEMM and scores in high precision, so neither the
+# policy's default nor a catch-all rule reaches it; only a rule whose pattern is not a
+# catch-all does
+ROUTER_PATTERN = r"(?i)(?:.*/)?(?:router\w*|[^/]*moe[^/]*/gate)(?:_\d+)?(?:/.*)?"
 CATCH_ALL_PATTERNS = frozenset({".*", ".+", "(?s).*", "(?s).+"})
 
 
@@ -187,9 +189,10 @@ class PrecisionPolicy:
         rules of that op kind only, never the default or a layer rule; with none matching its
         recipe is ``None`` (it runs unquantized). A ``lax.ragged_dot`` call (an MoE expert
         stack) is assigned as a layer is. An MoE router (:data:`ROUTER_PATTERN`) is reached
-        only by a rule whose pattern is not a catch-all; else its recipe is ``None`` too. A layer or call whose path has no block and
-        which runs ``stack`` blocks stacked for a scan (one traced body) gets the one recipe
-        the rules give every block, or is refused where they differ (depth rules)."""
+        only by a rule whose pattern is not a catch-all; else its recipe is ``None`` too. A
+        layer or call whose path has no block and which runs ``stack`` blocks stacked for a
+        scan (one traced body) gets the one recipe the rules give every block, or is refused
+        where they differ (depth rules)."""
         if stack and self.block_of(path) is None:
             return self._assign_stacked(path, kind, num_blocks or math.prod(stack),
                                         tuple(stack))
