@@ -114,9 +114,9 @@ class OpCalls:
 
 
 class CallCounter:
-    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>`` / ``ragged_dot_<n>``: ``n`` counts the calls of
-    that kind made so far in the same invocation of the module (the outermost of its methods
-    that is running), in call order. A name is thus a place in the module's code, as a
+    """Names a module's calls ``einsum_<n>`` / ``dot_general_<n>`` / ``ragged_dot_<n>``: ``n``
+    counts the calls of that kind made so far in the same invocation of the module (the
+    outermost of its methods that is running), in call order. A name is thus a place in the module's code, as a
     parameter's name is: a transform that traces the module's body again (Linen's ``nn.scan``
     traces it twice, once for the shapes of its outputs) and a second call of a shared module
     meet the same names, never ``einsum_2`` for the first einsum. One counter serves one
@@ -185,8 +185,9 @@ def operand_x(op_path: str, kind: str, args, kwargs) -> tuple:
 
 
 def _ragged_operands(op_path: str, args, kwargs) -> tuple:
-    """``(lhs, rhs, group_sizes)`` of an intercepted ``lax.ragged_dot``, or an error naming
-    the op (``group_offset``: sharded groups, which ``qragged_dot`` does not take)."""
+    """``(lhs, rhs, group_sizes, preferred_element_type)`` of an intercepted
+    ``lax.ragged_dot``, or an error naming the op (``group_offset``: sharded groups, which
+    ``qragged_dot`` does not take)."""
     names = ("lhs", "rhs", "group_sizes", "precision", "preferred_element_type",
              "group_offset")
     bound = dict(zip(names, args, strict=False)) | kwargs

@@ -200,7 +200,7 @@ class PrecisionPolicy:
 
     def _assign_block(self, path, kind, num_blocks, block) -> Assignment:
         op = kind in OP_KINDS
-        router = not op and is_router(path)
+        router = kind not in INTERCEPTED_KINDS and is_router(path)  # a layer, not a call
         for i, r in enumerate(self.rules):
             if op and r.kind != kind:  # an intercepted call: rules of its op kind only
                 continue
