@@ -16,8 +16,7 @@ ms/step min / median / max and the ratio's median [min, max].
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
+import functools
 import time
 
 import jax
@@ -26,6 +25,7 @@ import numpy as np
 
 import fp4lab
 from fp4lab.gemm.grouped import expert_keys
+from train_step import interleaved, report  # benchmarks/: the same rounds and table
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -108,19 +108,9 @@ def main(argv=None):
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / args.reps
 
-    times = {name: [] for name in fns}
-    order = list(fns)
-    for round_ in range(args.runs):
-        random.Random(round_).shuffle(order)
-        for name in order:
-            times[name].append(timed(fns[name]))
-    base = times["ragged_dot bf16"]
-    print(f"{'variant':34s} {'ms/step min / median / max':>28s}  vs ragged_dot bf16")
-    for name, ts in times.items():
-        ratio = sorted(t / b for t, b in zip(ts, base, strict=True))
-        ms = sorted(t * 1e3 for t in ts)
-        print(f"{name:34s} {ms[0]:8.2f} / {statistics.median(ms):8.2f} / {ms[-1]:8.2f}  "
-              f"{statistics.median(ratio):.2f}x [{ratio[0]:.2f}, {ratio[-1]:.2f}]", flush=True)
+    times = interleaved({name: functools.partial(timed, f) for name, f in fns.items()},
+                        args.runs)
+    report(times, "ragged_dot bf16", "variant", 34)
 
 
 if __name__ == "__main__":

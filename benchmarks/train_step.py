@@ -113,17 +113,30 @@ def main(argv=None):
     timers = {r.name: Timer(r, init(jax.random.key(2), args.layers, args.dim), x, args.reps,
                             args.runs, "xla" if r.name == "bf16" else args.backend)
               for r in recipes}
+    times = interleaved({name: t.time for name, t in timers.items()}, args.runs)
+    report(times, "bf16", "recipe", 22)
+
+
+def interleaved(timers: dict, runs: int) -> dict[str, list[float]]:
+    """``runs`` rounds, each calling every timer (name -> function returning seconds) once in
+    a freshly shuffled order, so that a noisy neighbour hits every variant alike."""
     times = {name: [] for name in timers}
     order = list(timers)
-    for round_ in range(args.runs):  # shuffled rounds: a noisy neighbour hits every recipe
+    for round_ in range(runs):
         random.Random(round_).shuffle(order)
         for name in order:
-            times[name].append(timers[name].time())
-    print(f"{'recipe':22s} {'ms/step min / median / max':>28s}  vs bf16 median [min, max]")
+            times[name].append(timers[name]())
+    return times
+
+
+def report(times: dict[str, list[float]], base: str, what: str, width: int) -> None:
+    """The table: ms/step min / median / max of each variant, and its ratio to ``base``
+    taken round by round, median [min, max]."""
+    print(f"{what:{width}s} {'ms/step min / median / max':>28s}  vs {base} median [min, max]")
     for name, ts in times.items():
-        ratio = sorted(t / b for t, b in zip(ts, times["bf16"], strict=True))
+        ratio = sorted(t / b for t, b in zip(ts, times[base], strict=True))
         ms = sorted(t * 1e3 for t in ts)
-        print(f"{name:22s} {ms[0]:8.2f} / {statistics.median(ms):8.2f} / {ms[-1]:8.2f}  "
+        print(f"{name:{width}s} {ms[0]:8.2f} / {statistics.median(ms):8.2f} / {ms[-1]:8.2f}  "
               f"{statistics.median(ratio):.2f}x [{ratio[0]:.2f}, {ratio[-1]:.2f}]", flush=True)
 
 

@@ -210,9 +210,10 @@ class QuantizedLinen:
             return call(m, a.recipe, self.backend, next_fun, args, kwargs)
 
         namer = _OpNamer()
+        governs_ops = self.policy.governs_ops
 
         def op(kind, original, args, kwargs):
-            if kind in OP_KINDS and not self.policy.governs_ops:
+            if kind in OP_KINDS and not governs_ops:
                 return original(*args, **kwargs)  # only rules of an op's kind govern it
             found = namer(kind, args, kwargs)
             if found is None or found[0].is_initializing():

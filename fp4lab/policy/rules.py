@@ -29,9 +29,9 @@ LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + I
 # an MoE router, by name: a path element ``router...``, or ``gate`` inside a module whose
 # name says MoE (Mixtral's ``block_sparse_moe/gate``, MaxText's ``MoeBlock_0/gate``; a bare
 # ``mlp/gate`` or ``experts/gate`` may be a GLU's gate, so DeepSeek's and Qwen-MoE's
-# ``mlp/gate`` routers need a rule): the seed systems keep its GEMM and scores in high precision, so neither the
-# policy's default nor a catch-all rule reaches it; only a rule whose pattern is not a
-# catch-all does
+# ``mlp/gate`` routers need a rule): the seed systems keep its GEMM and scores in high
+# precision, so neither the policy's default nor a catch-all rule reaches it; only a rule
+# whose pattern is not a catch-all does
 ROUTER_PATTERN = r"(?i)(?:.*/)?(?:router\w*|[^/]*moe[^/]*/gate)(?:_\d+)?(?:/.*)?"
 CATCH_ALL_PATTERNS = frozenset({".*", ".+", "(?s).*", "(?s).+"})
 
