@@ -278,10 +278,12 @@ def test_two_processes_through_maxtexts_distributed_initialization(maxtext_pytho
     cmd = [str(maxtext_python), "-m", "fp4lab.integrations.maxtext",
            *[a.replace("skip_jax_distributed_system=True", "skip_jax_distributed_system=False")
              for a in TINY], f"base_output_directory={tmp_path}", "run_name=two", "steps=1",
-           "jax_cache_dir=", "fp4lab.policy=all:nvfp4",  # (no cache: two processes)
-           f"metrics_file={tmp_path}/two.jsonl"]
+           "jax_cache_dir=", "fp4lab.policy=all:nvfp4"]  # (no cache: two processes)
     logs = [tmp_path / f"two{i}.log" for i in range(2)]  # files: a full pipe would block
-    procs = [subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+    # every process writes MaxText's metrics_file (truncated at step 0, then appended): one
+    # file each, or two processes race on one and it may hold the step twice
+    procs = [subprocess.Popen([*cmd, f"metrics_file={tmp_path}/two{i}.jsonl"],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
                               env=_env(2, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                                        JAX_COORDINATOR_ADDRESS="127.0.0.1", JOB_INDEX="0",
                                        JOB_COMPLETION_INDEX=str(i), PROCESSES_IN_JOB="2",
@@ -292,7 +294,7 @@ def test_two_processes_through_maxtexts_distributed_initialization(maxtext_pytho
     logs = [log.read_text() for log in logs]
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
     assert all("Jax process id is" in log for log in logs)
-    assert losses(tmp_path, "two") == losses(tmp_path, "one")
+    assert losses(tmp_path, "two0") == losses(tmp_path, "two1") == losses(tmp_path, "one")
 
 
 def test_a_missing_maxtext_is_one_line_naming_the_install(tmp_path):
