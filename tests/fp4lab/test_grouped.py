@@ -14,12 +14,16 @@ from __future__ import annotations
 import functools
 import math
 import os
+import subprocess
+from pathlib import Path
 
 import adversarial
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from environments import CONSUMERS, python_of
 from jax import lax
 
 import fp4lab
@@ -201,6 +205,87 @@ def test_inf_and_nan_stay_in_their_expert(recipe, exact_dot):
     y, dx, dw = map(np.asarray, got)
     assert np.isfinite(y[1:]).all() and np.isfinite(dx[1:]).all() and np.isfinite(dw[2]).all()
     assert np.isnan(y[0]).any()
+
+
+def _torchao_agrees(a):
+    """``a`` without the two kinds of MXFP8 blocks on which torchao 0.18's ``to_mx`` departs
+    from TE's MX rules (docs/numerics.md, "MX formats"; test_torchao_departs_...): rows
+    (along the last axis) whose largest magnitude lies below ``2^-100`` are lifted by ``2^64``
+    (no block scale ``2^-127``), and magnitudes within ``2^-16`` above ``448 * 2^k`` become
+    ``448 * 2^k`` (no RCEIL block amax whose float32 ``log2`` rounds down to an integer)."""
+    amax = np.abs(a).max(-1, keepdims=True)
+    a = np.where((amax > 0) & (amax < 2.0**-100), a * 2.0**64, a)
+    m, e = np.frexp(np.abs(a) / 448.0)
+    split = (m > 0.5) & (m <= 0.5 + 2.0**-16)
+    return np.where(split, np.sign(a) * np.ldexp(448.0, e - 1), a).astype(np.float32)
+
+
+# Blocks on which torchao 0.18's to_mx departs from TE's MX rules: a block amax one float32 ulp
+# above 448 * 2^5 (d = fl(amax / 448) = 2^5 (1 + 2^-23): TE's RCEIL reads e = 6 from d's bits;
+# torchao's ceil(log2(d)) in float32 rounds log2(d) down to 5, so its scale is 2^5, the amax
+# saturates to 448 * 2^5 and the small elements keep a bit more), and a block of scale 2^-127
+# with nonzero elements (torchao's RCEIL quantizes it with the scale 1, so it becomes zeros;
+# its FLOOR quantizes with 2^-126 and stores 2^-127, halving it); a block both agree on.
+_DEPARTURES = np.stack([
+    np.r_[np.nextafter(np.float32(448 * 32), np.float32(np.inf)), np.linspace(-1.0, 1.5, 31)],
+    np.linspace(-1.5e-36, 1.2e-36, 32),
+    np.linspace(-3.0, 2.0, 32),
+]).astype(np.float32)
+
+
+def _check_departures(theirs):
+    for fmt, rule, differ in (("mxfp8", "rceil", [True, True, False]),
+                              ("mxfp8_floor", "floor", [False, True, False])):
+        ours = np.asarray(fp4lab.dequantize(fp4lab.quantize(jnp.asarray(_DEPARTURES), fmt)))
+        got = theirs[f"{rule}/blocks"]
+        assert (ours != got).any(-1).tolist() == differ, (rule, ours - got)
+    assert theirs["rceil/blocks"][0, 0] == 448 * 32  # saturated: torchao's scale 2^5
+    assert (theirs["rceil/blocks"][1] == 0).all()
+    np.testing.assert_array_equal(theirs["floor/blocks"][1],
+                                  np.asarray(fp4lab.dequantize(fp4lab.quantize(
+                                      jnp.asarray(_DEPARTURES[1]), "mxfp8_floor"))) / 2)
+
+
+def test_mxfp8_is_torchaos_grouped_gemm(exact_dot, tmp_path):
+    """torchao's own MXFP8 grouped GEMM (tests/consumers/torchao_grouped.py: its MoE training
+    autograd function, emulated, each expert's tokens zero-padded to whole blocks) on the same
+    operands, RCEIL and FLOOR scales: the operands torchao multiplies in its three GEMMs, their
+    products summed exactly, are fp4lab's results bit for bit (an empty expert, one token, 35
+    tokens: a partial wgrad block; ties of E4M3 and of the scale rule), and torchao's BF16
+    outputs are fp4lab's within BF16 rounding. Where torchao's ``to_mx`` departs from TE's
+    rules (``_DEPARTURES``), it departs as docs/numerics.md says, and nowhere else."""
+    x, w, dy = (_torchao_agrees(np.asarray(t)) for t in _operands())
+    dy = dy.astype(ml_dtypes.bfloat16).astype(np.float32)  # torchao's dY has its output's dtype
+    sizes = np.asarray(GROUP_SIZES)
+    np.savez(tmp_path / "in.npz", x=x, w=w, dy=dy, sizes=sizes, blocks=_DEPARTURES)
+    done = subprocess.run([str(python_of(CONSUMERS)), str(Path(__file__).parents[1] / "consumers"
+                                                          / "torchao_grouped.py"),
+                           str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(tmp_path / "out.npz") as f:
+        theirs = {k: f[k] for k in f.files}
+    _check_departures(theirs)
+    starts = np.cumsum(sizes) - sizes
+    for recipe, rule in (("mxfp8", "rceil"), ("mxfp8_floor", "floor")):
+        t = {k.split("/")[1]: v for k, v in theirs.items() if k.startswith(rule + "/")}
+        ends = t["fprop_offs"].astype(int)  # torchao's padded groups
+        padded = np.diff(ends, prepend=0)
+        np.testing.assert_array_equal(padded, -(-sizes // 32) * 32)
+        want = {"y": np.zeros((M, N), np.float32), "dx": np.zeros((M, K), np.float32),
+                "dw": np.zeros((len(sizes), K, N), np.float32)}
+        for e, (start, n) in enumerate(zip(starts, sizes, strict=True)):
+            rows = slice(ends[e] - padded[e], ends[e] - padded[e] + n)
+            group = slice(ends[e] - padded[e], ends[e])
+            want["y"][start:start + n] = _fsum(t["fprop_a"][rows, None], t["fprop_b"][e].T[None])
+            want["dx"][start:start + n] = _fsum(t["dgrad_a"][rows, None], t["dgrad_b"][e].T[None])
+            want["dw"][e] = _fsum(t["wgrad_a"][:, group][:, None], t["wgrad_b"][group].T[None]).T
+        got = _grads(lambda a, b: qragged_dot(a, b, jnp.asarray(sizes), recipe), x, w, dy)
+        for what, a in zip(("y", "dx", "dw"), got, strict=True):
+            assert_same_bits(a, want[what], f"{recipe} {what} (torchao's operands)")
+            bf16 = np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
+            np.testing.assert_allclose(t[what], bf16, rtol=2.0**-7, atol=1e-30,
+                                       err_msg=f"{recipe} {what} (torchao's output)")
 
 
 def test_rows_after_the_groups_are_zero_and_rows_beyond_capacity_nan():
