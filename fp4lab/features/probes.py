@@ -35,37 +35,46 @@ def probe_table(probe_grad) -> dict[str, dict[str, float]]:
     return {op: dict(zip(METRIC_NAMES, map(float, a[i]), strict=True)) for i, op in enumerate(OPERANDS)}
 
 
-def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=None
-                     ) -> jax.Array:
+def _operand_metrics(x, op: OperandQuant, axis: int, key, signs, global_amax=None,
+                     rows=None) -> jax.Array:
     """The metrics row of one operand, quantized exactly as the GEMM quantizes it (with the
-    delayed amax, if any: a scale that lags the data shows as saturation)."""
+    delayed amax, if any: a scale that lags the data shows as saturation); ``rows``: how many
+    of its tokens (canonical axis 1) count, or None for all."""
+    along_tokens = op.hadamard and axis % x.ndim == 1
     if op.hadamard:
         x = rht(x, axis, op.hadamard, signs)
+    valid = None
+    if rows is not None:  # the RHT's last group of tokens, zero-padded, is the operand's
+        rows = -(-rows // op.hadamard) * op.hadamard if along_tokens else rows
+        valid = (jnp.arange(x.shape[1]) < rows)[:, None]
     m = operand_metrics(x.astype(jnp.float32), op.format, axis=-1 if op.tile else axis,
-                      tile=op.tile, rounding=op.rounding, key=key, global_amax=global_amax)
+                        tile=op.tile, rounding=op.rounding, key=key, global_amax=global_amax,
+                        valid=valid)
     return jnp.stack([m[k] for k in METRIC_NAMES])
 
 
 def measure(recipe: Recipe, tensors: dict[str, jax.Array], keys: dict, amaxes: dict,
-            signs: dict, gemms: tuple[str, ...]) -> jax.Array:
+            signs: dict, gemms: tuple[str, ...], rows=None) -> jax.Array:
     """The metrics rows of the operands of ``gemms`` (table order), from the canonical
     ``tensors`` by role (``x``, ``w``, ``dy``; ``fwd_x``, ``fwd_w``: the forward's quantized
     X and W, for operands requantized from them), with each operand's key, delayed amax and
-    Hadamard signs (``fp4lab.gemm.operand_quant.operand_signs``)."""
+    Hadamard signs (``fp4lab.gemm.operand_quant.operand_signs``). ``rows``: how many of the
+    tokens (X's and dY's axis M) are the operand's own, the rest zeros that no metric counts
+    (an expert's slot in ``fp4lab.qragged_dot``); None: all."""
     quantized = recipe.quantized_operands
-    rows = []
+    table = []
     for o in OPERAND_TABLE:
         if o.gemm not in gemms:
             continue
         if o.name not in quantized:
-            rows.append(jnp.full((len(METRIC_NAMES),), jnp.nan, jnp.float32))
+            table.append(jnp.full((len(METRIC_NAMES),), jnp.nan, jnp.float32))
             continue
         op = quantized[o.name]
         src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[o.role]
         with jax.named_scope("fp4lab.probes"):
-            rows.append(_operand_metrics(src, op, o.axis, keys[o.name],
-                                         signs[o.name], amaxes[o.name]))
-    return jnp.stack(rows)
+            table.append(_operand_metrics(src, op, o.axis, keys[o.name], signs[o.name],
+                                          amaxes[o.name], None if o.role == "w" else rows))
+    return jnp.stack(table)
 
 
 class Probes(Feature):

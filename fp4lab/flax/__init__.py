@@ -104,7 +104,7 @@ def op_calls(model, *inputs, call_kwargs: dict | None = None) -> list[tuple[str,
     ``explain(policy, linear_layers(m) + op_calls(m, x))`` then lists the calls no rule
     quantizes too. (Linen: :meth:`QuantizedLinen.explain` lists them.)"""
     return [(f"{p}/{n}" if p else n, k)
-            for p, n, k, _ in _nnx.find_op_calls(model, inputs, call_kwargs)]
+            for p, n, k, *_ in _nnx.find_op_calls(model, inputs, call_kwargs)]
 
 
 def quantize_model(model: Any, policy: str | PrecisionPolicy, *inputs,
@@ -177,9 +177,9 @@ class _GemmMaker:
     backend: str
     probes: bool
 
-    def __call__(self, make, path: str, *args):
+    def __call__(self, make, path: str, *args, **kwargs):
         path_hash = zlib.crc32(f"{self.seed}/{path}".encode()) & 0x7FFFFFFF
-        kw = dict(backend=self.backend, probe=self.probes)
+        kw = dict(backend=self.backend, probe=self.probes, **kwargs)
         if self.base is None:
             return make(*args, seed=path_hash, **kw)
         return make(*args, rngs=flax_nnx.Rngs(quant=jax.random.fold_in(self.base, path_hash)),
@@ -201,7 +201,8 @@ def _install(policy: PrecisionPolicy, gemms: list, num_blocks, make: _GemmMaker)
             setattr(g.module, hook, flax_nnx.data(op))
         else:
             check_expert_recipe(g.path, g.call[1], a.recipe)
-            op = make(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1])
+            op = make(_nnx.QuantOp, g.path, a.recipe, g.kind, g.path, g.call[1],
+                      experts=g.experts)
             ops.setdefault(id(g.module), (g.module, {}))[1][g.call[0]] = _nnx.stacked(op,
                                                                                   g.stack)
     for module, calls in ops.values():
@@ -255,6 +256,7 @@ class _Gemm(NamedTuple):
     stack: tuple[int, ...]
     module: flax_nnx.Module
     call: tuple[str, str] | None = None
+    experts: int | None = None  # a ragged_dot's experts (its probe is stacked per expert)
 
 
 def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
@@ -283,7 +285,7 @@ def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"quantize_model: {type(model).__name__} does not run on the example "
                          f"inputs (shapes {shapes}): {first}") from e
-    for mpath, name, kind, stack in calls:
+    for mpath, name, kind, stack, experts in calls:
         module = modules[mpath]
         layer = _nnx.LAYER_CALLS.get(type(module)) if kind == "lax.dot_general" else None
         if layer is not None:
@@ -291,7 +293,7 @@ def _nnx_gemms(model, policy, inputs, call_kwargs) -> list[_Gemm]:
             gemms.append(_Gemm(path, layer, stack, module, (name, kind)))
         elif policy.governs_ops or kind in EXPERT_KINDS:
             gemms.append(_Gemm(f"{mpath}/{name}" if mpath else name, kind, stack, module,
-                               (name, kind)))
+                               (name, kind), experts))
     return gemms
 
 

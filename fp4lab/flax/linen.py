@@ -21,7 +21,7 @@ from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.flax.internals import linen_calling_module, linen_einsum_bias_shape
 from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, note_weight,
                                      stack_of)
-from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, check_expert_recipe,
+from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, check_expert_recipe, expert_count,
                              operand_w, operand_x, quantized_call, runs_as_written,
                              trace_abstractly)
 from fp4lab.policy import (OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused,
@@ -127,7 +127,8 @@ class _OpNamer(CallCounter):
 def _quantized_op(module, name, op_path, kind, recipe, backend, args, kwargs):
     """An intercepted call with its module's key, probe, amax history and OutControl."""
     check_expert_recipe(op_path, kind, recipe)
-    state = gemm_state(module, recipe, name, lambda: operand_x(op_path, kind, args, kwargs))
+    state = gemm_state(module, recipe, name, lambda: operand_x(op_path, kind, args, kwargs),
+                       expert_count(kind, args, kwargs))
     return quantized_call(op_path, kind, recipe, args, kwargs, state, backend=backend)
 
 

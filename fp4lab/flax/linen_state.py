@@ -196,11 +196,12 @@ def _collection_variable(module: nn.Module, collection: str, name: str, init, wh
     return None
 
 
-def _linen_probe(module: nn.Module, name: str = "gemm"):
+def _linen_probe(module: nn.Module, name: str = "gemm", experts: int | None = None):
     """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed the
     ``"probes"`` collection: variable ``name`` of ``module`` (``"gemm"`` for a layer,
-    ``"einsum_0"``... for a call)."""
-    return _collection_variable(module, "probes", name, probe_zeros, "probe", "probe_zeros")
+    ``"einsum_0"``... for a call); an expert stack's (``experts``) is stacked per expert."""
+    init = probe_zeros if experts is None else lambda: jnp.stack([probe_zeros()] * experts)
+    return _collection_variable(module, "probes", name, init, "probe", "probe_zeros")
 
 
 def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):
@@ -241,12 +242,13 @@ def _linen_channels(module: nn.Module, recipe: Recipe, lhs, dimension_numbers,
 
 
 def gemm_state(module: nn.Module, recipe: Recipe, name: str = "gemm",
-               operand_x=None) -> GemmState:
+               operand_x=None, experts: int | None = None) -> GemmState:
     """Everything a GEMM site's call takes besides its operands, in one lookup: the
     stochastic-rounding key, the probe, the amax history and OutControl's channels
-    (``operand_x()``: the call's ``(X, dimension_numbers)``, read only for OutControl)."""
+    (``operand_x()``: the call's ``(X, dimension_numbers)``, read only for OutControl);
+    ``experts``: an expert stack's number of experts (its probe is stacked per expert)."""
     channels = None
     if recipe.outliers is not None:
         channels = _linen_channels(module, recipe, *operand_x(), name)
-    return GemmState(key=_linen_key(module, recipe), probe=_linen_probe(module, name),
+    return GemmState(key=_linen_key(module, recipe), probe=_linen_probe(module, name, experts),
                      amax_history=_linen_history(module, recipe, name), channels=channels)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from fp4lab.features.delayed import init_history, update
 from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swap_class
-from fp4lab.flax.ops import (CallCounter, OpCalls, quantized_call, runs_as_written,
+from fp4lab.flax.ops import (CallCounter, OpCalls, expert_count, quantized_call, runs_as_written,
                              trace_abstractly)
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.policy.rules import EXPERT_KINDS
@@ -91,11 +91,14 @@ def block_name(path: str, index: tuple[int, ...]) -> str:
 
 def probe_records(model: nnx.Module, grads=None) -> dict[str, dict[str, dict[str, float]]]:
     """``{GEMM path: {operand: {metric: value}}}`` (host values) from the probes of
-    :func:`probe_rows`; each block stacked for a scan is its own entry, ``path[i]``. Operands
+    :func:`probe_rows`; each block stacked for a scan is its own entry, ``path[i]``, and each
+    expert of an expert stack (an intercepted ``ragged_dot``) too, ``path/expert_e``. Operands
     the GEMM's recipe does not quantize, and all of a probe whose gradient is zero (nothing was
     measured: the GEMM did not run, or ran as written, exactly, as an identity recipe on
     operands already of its dtype does), are NaN; a measured row is never all zeros
     (``sqnr_db`` is then inf, NaN or ``underflow`` is 1)."""
+    experts = {m.path for _, m in nnx.iter_modules(model)
+               if isinstance(m, QuantOp) and m.call in EXPERT_KINDS}
     out = {}
     for name, (recipe, rows) in probe_rows(model, grads).items():
         rows = np.asarray(rows)
@@ -104,7 +107,10 @@ def probe_records(model: nnx.Module, grads=None) -> dict[str, dict[str, dict[str
             for op in table:
                 if op not in recipe.quantized_operands or not rows[index].any():
                     table[op] = dict.fromkeys(table[op], float("nan"))
-            out[block_name(name, index)] = table
+            if name in experts:
+                out[f"{block_name(name, index[:-1])}/expert_{index[-1]}"] = table
+            else:
+                out[block_name(name, index)] = table
     return out
 
 
@@ -115,7 +121,7 @@ class _QuantizedGemm(nnx.Module):
     ``probe=True``, a :class:`QuantProbe` (``probe``)."""
 
     def __init__(self, recipe: str | Recipe, *, rngs: nnx.Rngs | None = None, seed: int = 0,
-                 backend: str = "auto", probe: bool = False):
+                 backend: str = "auto", probe: bool = False, experts: int | None = None):
         self.recipe = get_recipe(recipe)
         if self.recipe.outliers is not None:  # it would run without its split, silently
             raise ValueError(
@@ -129,8 +135,9 @@ class _QuantizedGemm(nnx.Module):
         self.sr_count = QuantCounter(jnp.zeros((), jnp.uint32))
         if self.recipe.delayed is not None:
             self.amax_history = AmaxHistory(init_history(self.recipe.delayed))
-        if probe:
-            self.probe = QuantProbe(probe_zeros())
+        if probe:  # an expert stack's (``experts``): one per expert
+            self.probe = QuantProbe(probe_zeros() if experts is None else
+                                    jnp.stack([probe_zeros()] * experts))
 
     def _key(self):
         """This call's SR key: the base key folded with the counter, which then advances (a
@@ -178,7 +185,7 @@ class QuantOp(_QuantizedGemm):
 
     def __init__(self, recipe: str | Recipe, kind: str, path: str, call: str | None = None,
                  **kwargs):
-        super().__init__(recipe, **kwargs)
+        super().__init__(recipe, **kwargs)  # experts=: a ragged_dot's (its probe per expert)
         self.kind, self.path, self.call = kind, path, call or kind
 
     def __call__(self, args, kwargs):
@@ -259,7 +266,7 @@ def _handler(record=None):
             return original(*args, **kwargs)  # outside modules, or inside a governed layer
         name = counter(m, getattr(m, _PATH_ATTR, id(m)), kind)
         if record is not None:
-            record(m, name, kind)
+            record(m, name, kind, expert_count(kind, args, kwargs))
             return original(*args, **kwargs)
         q = getattr(m, OPS_ATTR, {}).get(name)
         if q is None and kind in EXPERT_KINDS:
@@ -346,21 +353,22 @@ def release_ops(model: nnx.Module) -> None:
 
 
 def find_op_calls(model: nnx.Module, args=(), kwargs=None
-                  ) -> list[tuple[str, str, str, tuple[int, ...]]]:
-    """``(module path, call name, kind, stack shape)`` of every ``jnp.einsum`` /
-    ``lax.dot_general`` call that ``model(*args, **kwargs)`` makes inside its modules (the
+                  ) -> list[tuple[str, str, str, tuple[int, ...], int | None]]:
+    """``(module path, call name, kind, stack shape, experts)`` of every ``jnp.einsum`` /
+    ``lax.dot_general`` / ``lax.ragged_dot`` call (``experts``: a ragged_dot's number of
+    experts, else None) that ``model(*args, **kwargs)`` makes inside its modules (the
     governed layers' own GEMMs excepted), in call order, found by tracing the call abstractly
     (no computation on the model's state). A module stacked by ``nnx.vmap`` and run under
     ``nnx.scan`` makes its calls once, from one slice: the stack shape is the leading axes its
     variables have outside the scan. Array leaves of the inputs (or ``jax.ShapeDtypeStruct``)
     are traced; other leaves (flags, strings) pass as they are."""
     modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
-    found: list[tuple[str, str, str, tuple[int, ...]]] = []
+    found: list[tuple[str, str, str, tuple[int, ...], int | None]] = []
 
-    def record(sub, name, kind):
+    def record(sub, name, kind, experts):
         path = getattr(sub, _PATH_ATTR, None)  # static: it survives the transforms' copies
         if path is not None and not any(f[:2] == (path, name) for f in found):
-            found.append((path, name, kind, _stacked_by(modules[path], sub)))
+            found.append((path, name, kind, _stacked_by(modules[path], sub), experts))
 
     def run(m, *a, **k):
         return _call(type(m).__call__, m, a, k, record)

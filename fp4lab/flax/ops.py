@@ -23,9 +23,10 @@ from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.gemm.grouped import qragged_dot
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe
+from fp4lab.policy.rules import EXPERT_KINDS
 
 __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
-           "trace_abstractly", "operand_w"]
+           "trace_abstractly", "operand_w", "expert_count", "check_expert_recipe"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
@@ -197,6 +198,14 @@ def _ragged_operands(op_path: str, args, kwargs) -> tuple:
                          "fp4lab.qragged_dot does not take")
     return bound["lhs"], bound["rhs"], bound["group_sizes"], bound.get(
         "preferred_element_type")
+
+
+def expert_count(kind: str, args, kwargs) -> int | None:
+    """The number of experts (``rhs``'s leading axis) of an intercepted ``ragged_dot``; None
+    for every other kind of call. An expert stack's probe is stacked per expert."""
+    if kind not in EXPERT_KINDS:
+        return None
+    return int(jnp.shape(_ragged_operands(kind, args, kwargs)[1])[0])
 
 
 def check_expert_recipe(op_path: str, kind: str, recipe: Recipe) -> None:

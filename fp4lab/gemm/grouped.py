@@ -132,18 +132,16 @@ def _check(lhs, rhs, group_sizes, capacity):
 def _expert_state(recipe: Recipe, state, groups: int, k: int, backend: str) -> GemmState:
     """``state`` with the key split per expert, each stacked field checked per expert."""
     key, probe, history, channels = as_gemm_state(state)
-    if probe is not None:
-        raise ValueError("qragged_dot does not take a probe yet: per-expert probes are not "
-                         "built (a probe of the padded slots would count their zeros)")
-    for name, t in (("amax_history", history), ("channels", channels)):
+    for name, t in (("probe", probe), ("amax_history", history), ("channels", channels)):
         if t is not None and (jnp.ndim(t) < 1 or jnp.shape(t)[0] != groups):
             raise ValueError(f"{name} has shape {jnp.shape(t)}; qragged_dot takes one per "
                              f"expert, stacked along a leading axis of {groups}")
+    each = lambda t, e: None if t is None else t[e]  # noqa: E731
     checked = [check_gemm_state(recipe, k, GemmState(
-        key, None, None if history is None else history[e],
-        None if channels is None else channels[e]), backend) for e in range(groups)]
+        key, each(probe, e), each(history, e), each(channels, e)), backend)
+        for e in range(groups)]
     stack = lambda *a: None if a[0] is None else jnp.stack(a)  # noqa: E731
-    return GemmState(expert_keys(key, groups), None,
+    return GemmState(expert_keys(key, groups), probe,
                      stack(*(c.amax_history for c in checked)),
                      stack(*(c.channels for c in checked)))
 
@@ -154,10 +152,12 @@ def _grouped(lhs, rhs, group_sizes, state, *, recipe, out_dtype, backend, capaci
     expert, pos, over = _slots(group_sizes, lhs.shape[0], capacity)
     slots = _dispatch(lhs, expert, pos, groups, capacity)
 
-    def one(x, w, s):
-        return _composed(x[None], w[None], recipe, out_dtype, backend, s)[0]
+    def one(x, w, s, rows):
+        return _composed(x[None], w[None], recipe, out_dtype, backend, s, rows=rows)[0]
 
-    y = jax.vmap(one)(slots, rhs, state)
+    # each expert's own rows, for the probes (a slot's zeros are not the expert's)
+    rows = jnp.minimum(group_sizes.astype(jnp.int32), capacity)
+    y = jax.vmap(one)(slots, rhs, state, rows)
     return _combine(y, expert, pos, over)
 
 
@@ -173,8 +173,9 @@ def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None
       recipe: a :class:`~fp4lab.gemm.recipe.Recipe` or registry name.
       state: as :func:`fp4lab.qdot_general`'s (a key alone, or a
         :class:`~fp4lab.gemm.state.GemmState`); expert ``e`` draws with
-        ``jax.random.fold_in(key, e)``; ``amax_history`` and ``channels`` are stacked per
-        expert (leading axis ``G``). No probe yet.
+        ``jax.random.fold_in(key, e)``; ``probe``, ``amax_history`` and ``channels`` are
+        stacked per expert (leading axis ``G``): the probe's gradient is each expert's
+        metrics table, measured on its own rows as the loop's ``qdot_general`` would.
       capacity: the most rows one expert receives (static; default ``M``). Rows beyond it
         give NaN. Memory and time grow with ``G * capacity``; a top-k router over ``T``
         tokens sends at most ``T`` rows to an expert.

@@ -133,6 +133,7 @@ class _Residuals(NamedTuple):
     masks: tuple | None  # the trust masks of X and W
     fwd_probes: jax.Array | None
     history: jax.Array | None
+    rows: jax.Array | None  # the probes' count of X's and dY's own rows (None: all)
 
 
 def _weight(w, recipe: Recipe, ctx: OperandContext, backend):
@@ -229,14 +230,16 @@ def _stand_in(t):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gemm(recipe: Recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history):
+def _gemm(recipe: Recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history, rows):
     """The core GEMM on canonical ``X: (B, M, K)``, ``W: (B, K, N)``: ``(B, M, N)`` in
     ``out_dtype``; its backward quantizes the gradient from ``dy_dtype`` (the output dtype
-    of the layer's GEMM, also when a composition sums parts in float32)."""
-    return _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history)[0]
+    of the layer's GEMM, also when a composition sums parts in float32). ``rows``: how many
+    of the M rows the probes count (the rest are zeros: an expert's slot), None for all."""
+    return _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history,
+                     rows)[0]
 
 
-def _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history):
+def _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history, rows):
     ctx = OperandContext.of(recipe, key, history)
     wq, qw = _weight(w, recipe, ctx, backend)
     xq = ctx.quantize("fprop_x", x, recipe, backend, not recipe.requantizes)
@@ -248,7 +251,8 @@ def _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history):
         xq=xq if keep else None, wq=wq if keep else None, qw=qw,
         masks=_trust_masks(x, w, recipe), history=history,
         fwd_probes=None if probe is None else measure(recipe, {"x": x, "w": w}, *ctx,
-                                                      ("fprop",)))
+                                                      ("fprop",), rows),
+        rows=None if probe is None else rows)
     return y.astype(out_dtype), res
 
 
@@ -263,9 +267,9 @@ def _gemm_bwd(recipe, out_dtype, dy_dtype, backend, res: _Residuals, g):
     if recipe.requantizes:
         tensors.update(fwd_x=_dequantized(res.xq), fwd_w=_dequantized(res.wq))
     probes = None if res.fwd_probes is None else jnp.concatenate(
-        [res.fwd_probes, measure(recipe, tensors, *ctx, ("dgrad", "wgrad"))])
+        [res.fwd_probes, measure(recipe, tensors, *ctx, ("dgrad", "wgrad"), res.rows)])
     return (dx.astype(x.dtype), dw.astype(res.w.dtype), None, probes,
-            _history_grad(res.history, recipe, tensors))
+            _history_grad(res.history, recipe, tensors), None)
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -281,23 +285,26 @@ def _without_forward_transform(recipe: Recipe) -> Recipe:
     return dataclasses.replace(recipe, **plain)
 
 
-def _composed(x, w, recipe: Recipe, out_dtype, backend, state: GemmState, dy_dtype=None):
+def _composed(x, w, recipe: Recipe, out_dtype, backend, state: GemmState, dy_dtype=None,
+              rows=None):
     """The core GEMM with the features that wrap it, outermost first: OutControl's split of
     K into two GEMMs (:func:`fp4lab.features.outcontrol.split_gemm`), then a forward Hadamard
     transform as a change of basis (:func:`fp4lab.numerics.hadamard.rotate`). Autodiff carries
-    the gradients through both; only backward semantics live inside the custom_vjp."""
+    the gradients through both; only backward semantics live inside the custom_vjp. ``rows``:
+    as :func:`_gemm`'s."""
     key, probe, history, channels = state
     if channels is not None:
         def part(a, b, r, p):
             return _composed(a, b, r, jnp.float32, backend,
-                             GemmState(key, p, history), out_dtype)
+                             GemmState(key, p, history), out_dtype, rows)
         return split_gemm(part, x, w, recipe, channels, probe).astype(out_dtype)
     if recipe.fprop_x.hadamard:
         signs = operand_signs(recipe, key, ("fprop_x", "fprop_w"))
         x = rotate(x, AXIS["fprop_x"], recipe.fprop_x.hadamard, signs["fprop_x"])
         w = rotate(w, AXIS["fprop_w"], recipe.fprop_w.hadamard, signs["fprop_w"])
         recipe = _without_forward_transform(recipe)
-    return _gemm(recipe, out_dtype, dy_dtype or out_dtype, backend, x, w, key, probe, history)
+    return _gemm(recipe, out_dtype, dy_dtype or out_dtype, backend, x, w, key, probe, history,
+                 rows)
 
 
 def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> dict[str, int]:
@@ -313,7 +320,7 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if recipe.needs_key else None
     f32 = jnp.float32
     res = jax.eval_shape(lambda a, c, kk: _gemm_fwd(recipe, f32, f32, "xla", a, c, kk, None,
-                                                    None)[1], x, w, key)
+                                                    None, None)[1], x, w, key)
     size = lambda t: sum(math.prod(a.shape) * a.dtype.itemsize  # noqa: E731 (keys: 8 B)
                          for a in jax.tree.leaves(t))
     xs, ws = size(res.x), size(res.w)

@@ -37,7 +37,10 @@
   ``wgrad_dy``) this is that ratio for the operand (the paper's exact definition, which
   gradient and which noise, could not be read here: docs/recipes/fp4_all_the_way.md).
 
-Padding added to reach a whole block is excluded from every count.
+Padding added to reach a whole block is excluded from every count, and so are the elements
+outside ``valid`` (:func:`operand_metrics`; a block counts where it holds a valid element):
+the zero rows of a Mixture-of-Experts expert's slot (``fp4lab.qragged_dot``) measure as the
+expert's own rows alone would.
 """
 
 from __future__ import annotations
@@ -66,26 +69,35 @@ def _rate(count: jax.Array, total) -> jax.Array:
     return rounding.div(count.astype(jnp.float32), jnp.maximum(total, 1).astype(jnp.float32))
 
 
-def error_metrics(x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
+def _count(mask, valid=None) -> jax.Array:
+    """``count(mask)`` where ``valid`` (everywhere for None), int32."""
+    return jnp.sum(mask if valid is None else mask & valid, dtype=jnp.int32)
+
+
+def error_metrics(x: jax.Array, y: jax.Array, valid: jax.Array | None = None
+                  ) -> dict[str, jax.Array]:
     """Underflow, overflow, MSE, relative MSE and SQNR of an approximation ``y`` of ``x``
-    (float32).
+    (float32), over the elements where ``valid`` (a boolean array of ``x``'s shape; None: all).
 
     The underflow and overflow rates are exact counts and one rounding; the error sums are float32
     reductions in the order XLA chooses, so they agree across backends to rounding, not to
     the bit (docs/numerics.md)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.float32)
+    if valid is not None:
+        x, y = jnp.where(valid, x, 0.0), jnp.where(valid, y, 0.0)
     nonzero = x != 0
-    flushed = jnp.sum(nonzero & (y == 0), dtype=jnp.int32)
+    flushed = _count(nonzero & (y == 0))
     finite = jnp.isfinite(x)
-    overflowed = jnp.sum(finite & ~jnp.isfinite(y), dtype=jnp.int32)
+    overflowed = _count(finite & ~jnp.isfinite(y), valid)
     signal = jnp.sum(jnp.square(x))
     noise = jnp.sum(jnp.square(x - y))
+    size = jnp.int32(x.size) if valid is None else _count(valid)
     return {
-        "underflow": _rate(flushed, jnp.sum(nonzero, dtype=jnp.int32)),
-        "underflow_all": _rate(flushed, jnp.int32(x.size)),
-        "overflow": _rate(overflowed, jnp.sum(finite, dtype=jnp.int32)),
-        "mse": noise / max(x.size, 1),
+        "underflow": _rate(flushed, _count(nonzero)),
+        "underflow_all": _rate(flushed, size),
+        "overflow": _rate(overflowed, _count(finite, valid)),
+        "mse": noise / jnp.maximum(size, 1).astype(jnp.float32),
         "rel_mse": noise / signal,
         "sqnr_db": 10.0 * (jnp.log10(signal) - jnp.log10(noise)),
     }
@@ -100,13 +112,18 @@ def _block_dynamic_range(xb: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.max(per_block, initial=0.0)
 
 
-def _map4_share(xb, b, fmt: Format, axes) -> jax.Array:
+def _map4_share(xb, b, fmt: Format, axes, blocks_valid) -> jax.Array:
     if not getattr(fmt.scaling, "chooses_map_to_4", False):  # Four Over Six, Quartet II's
         return jnp.float32(0)
     six = fmt.scaling.map_to_6(rounding.abs_max(xb, axis=axes, keepdims=True), b.tensor_amax)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
     four = bits(b.scale) != bits(six)
-    return _rate(jnp.sum(four, dtype=jnp.int32), jnp.int32(four.size))
+    return _rate(_count(four, blocks_valid), _blocks(four, blocks_valid))
+
+
+def _blocks(per_block, blocks_valid) -> jax.Array:
+    """The number of blocks counted: all, or those holding a valid element."""
+    return jnp.int32(per_block.size) if blocks_valid is None else _count(blocks_valid)
 
 
 def _noise_ratio(signal, v, multiplier, element) -> jax.Array:
@@ -120,12 +137,12 @@ def _noise_ratio(signal, v, multiplier, element) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "g", "rounding"))
-def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
+def _metrics(x, key, global_amax, valid, *, fmt: Format, g, rounding):
     if fmt.is_passthrough:
         y = x.astype(fmt.element.storage)
         zero = jnp.float32(0)
         signal = jnp.sum(jnp.square(x.astype(jnp.float32)))
-        return {**error_metrics(x, y), "saturation": zero, "bad_scales": zero,
+        return {**error_metrics(x, y, valid), "saturation": zero, "bad_scales": zero,
                 "block_dynamic_range": _block_dynamic_range(x.reshape(-1), (0,)),
                 "map4_share": zero,
                 "noise_ratio": _noise_ratio(signal, x.astype(jnp.float32), jnp.float32(1),
@@ -137,12 +154,16 @@ def _metrics(x, key, global_amax, *, fmt: Format, g, rounding):
     lowest = fmt.scaling.round_nearest(jnp.float32(-jnp.finfo(jnp.float32).max), fmt.element)
     saturated = from_blocks((b.v > fmt.element.max) | (b.v < lowest), g)
     bad = fmt.scaling.bad_scale(b.scale)
+    # a block counts where it holds a valid element (padding to whole blocks is not valid)
+    blocks_valid = None if valid is None else jnp.any(
+        to_blocks(valid, g), axis=g.reduce_axes, keepdims=True)
     return {
-        **error_metrics(x, y),
-        "saturation": _rate(jnp.sum(saturated, dtype=jnp.int32), jnp.int32(saturated.size)),
-        "bad_scales": _rate(jnp.sum(bad, dtype=jnp.int32), jnp.int32(bad.size)),
+        **error_metrics(x, y, valid),
+        "saturation": _rate(_count(saturated, valid),
+                            jnp.int32(saturated.size) if valid is None else _count(valid)),
+        "bad_scales": _rate(_count(bad, blocks_valid), _blocks(bad, blocks_valid)),
         "block_dynamic_range": _block_dynamic_range(xb, g.reduce_axes),
-        "map4_share": _map4_share(xb, b, fmt, g.reduce_axes),
+        "map4_share": _map4_share(xb, b, fmt, g.reduce_axes, blocks_valid),
         "noise_ratio": _noise_ratio(jnp.sum(jnp.square(xb)), b.v, fmt.scaling.dequantize(
             jnp.ones_like(b.v), b.scale, b.tensor_amax, fmt.element),
             fmt.element),
@@ -167,10 +188,14 @@ def quant_metrics(
 
 
 def operand_metrics(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None,
-                    global_amax=None) -> dict[str, jax.Array]:
+                    global_amax=None, valid=None) -> dict[str, jax.Array]:
     """:func:`quant_metrics` of a GEMM operand (the probes): its ``global_amax``, from an amax
-    history, may lie below ``max|x|`` and saturate it, which is what the probe measures."""
+    history, may lie below ``max|x|`` and saturate it, which is what the probe measures.
+    ``valid``: a boolean array broadcastable to ``x``'s shape, the elements counted (the rest
+    must be zeros, which change no scale: an expert's slot beyond its rows); None: all."""
     x, fmt, g, _ = check_arguments(x, fmt, axis=axis, tile=tile, rounding=rounding, key=key,
                                    global_amax=global_amax)
-    out = _metrics(x, key, global_amax, fmt=fmt, g=g, rounding=rounding)
+    if valid is not None:
+        valid = jnp.broadcast_to(valid, x.shape)
+    out = _metrics(x, key, global_amax, valid, fmt=fmt, g=g, rounding=rounding)
     return {k: out[k] for k in METRIC_NAMES}

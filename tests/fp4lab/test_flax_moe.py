@@ -155,3 +155,28 @@ def test_an_expert_stack_refuses_per_expert_state_by_name():
     with pytest.raises(ValueError, match="ragged_dot_0: recipe fp8_delayed uses delayed "
                                          "scaling's amax history"):
         qm.apply(params, x)
+
+
+def test_expert_stacks_are_probed_per_expert_in_linen_and_nnx():
+    """An expert stack's probe holds one metrics table per expert (Linen: the ``probes``
+    collection's entry is stacked per expert; NNX: ``probe_records`` names ``.../expert_e``),
+    each measured on the expert's own rows (tests/fp4lab/test_grouped.py checks the values
+    against the loop over experts)."""
+    model, x = LinenMoE(), _x(5)
+    params = model.init(jax.random.key(1), x)
+    qm = quantize_model(model, "all:mxfp8")
+    probes = qm.probe_zeros(params, x)
+    assert probes["ragged_dot_0"].shape == (E, *fp4lab.probe_zeros().shape)
+    grads = jax.grad(lambda p: jnp.sum(qm.apply({**params, "probes": p}, x) ** 2))(
+        probes)
+    sqnr = fp4lab.numerics.metrics.METRIC_NAMES.index("sqnr_db")
+    per_expert = np.asarray(grads["ragged_dot_0"])[:, 0, sqnr]  # fprop X of each expert
+    assert np.isfinite(per_expert).all() and len(set(per_expert.tolist())) == E
+
+    nnx_model = quantize_model(NNXMoE(nnx.Rngs(0)), "all:mxfp8", x, probes=True)
+    state = nnx.state(nnx_model, fp4lab.flax.nnx.QuantProbe)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2),
+                     argnums=nnx.DiffState(0, fp4lab.flax.nnx.QuantProbe))(nnx_model)
+    records = fp4lab.flax.nnx.probe_records(nnx_model, grads)
+    assert {f"ragged_dot_{i}/expert_{e}" for i in (0, 1) for e in range(E)} <= set(records)
+    assert len(jax.tree.leaves(state)) == 2

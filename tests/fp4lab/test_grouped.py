@@ -288,6 +288,43 @@ def test_mxfp8_is_torchaos_grouped_gemm(exact_dot, tmp_path):
                                        err_msg=f"{recipe} {what} (torchao's output)")
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_probes_per_expert_are_the_loops(recipe):
+    """A probe stacked per expert measures each expert's own rows as the loop's qdot_general
+    on them would: its slot's zeros change no count (MXFP8's all-zero wgrad blocks would be
+    "bad scales", and every rate over all elements would be diluted; NVFP4's RHT pads the
+    tokens to 16, whose padding counts as the loop's). Counts exactly; sums (MSE, SQNR, the
+    noise ratio) up to float32 summation order."""
+    r = fp4lab.get_recipe(recipe)
+    x, w, dy = _operands(4)
+    key = jax.random.key(4) if r.needs_key else None
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    zeros = jnp.stack([fp4lab.probe_zeros()] * len(GROUP_SIZES))
+
+    def grouped_loss(probe, x, w, dy):
+        y = qragged_dot(x, w, sizes, r, GemmState(key, probe))
+        return jnp.sum(y * dy)
+
+    def loop_loss(probes, x, w, dy):
+        ends = np.cumsum(GROUP_SIZES)
+        total = 0.0
+        for e, (n, end) in enumerate(zip(GROUP_SIZES, ends, strict=True)):
+            k = None if key is None else jax.random.fold_in(key, e)
+            y = fp4lab.qdot_general(x[end - n:end], w[e], DN, r, GemmState(k, probes[e]))
+            total += jnp.sum(y * dy[end - n:end])
+        return total
+
+    # operands as arguments: constants would be measured by XLA's constant folder, which
+    # keeps the subnormals that XLA:CPU's run time flushes (docs/numerics.md)
+    got = np.asarray(jax.jit(jax.grad(grouped_loss))(zeros, x, w, dy))
+    want = np.asarray(jax.jit(jax.grad(loop_loss))(zeros, x, w, dy))
+    names = fp4lab.numerics.metrics.METRIC_NAMES
+    summed = [names.index(n) for n in ("mse", "rel_mse", "sqnr_db", "noise_ratio")]
+    counted = [i for i in range(len(names)) if i not in summed]
+    assert_same_bits(got[..., counted], want[..., counted], f"{recipe} counted metrics")
+    np.testing.assert_allclose(got[..., summed], want[..., summed], rtol=1e-5)
+
+
 def test_rows_after_the_groups_are_zero_and_rows_beyond_capacity_nan():
     x, w, dy = _operands(3)
     f = jax.jit(lambda x, w, sizes: qragged_dot(x, w, sizes, "mxfp8", capacity=20))
