@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4lab.gemm.qdot import _composed
+from fp4lab.gemm.qdot import _check_operand, _composed
 from fp4lab.gemm.recipe import Recipe, get_recipe
 from fp4lab.gemm.state import GemmState, as_gemm_state, check_gemm_state
 
@@ -105,9 +105,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def _check(lhs, rhs, group_sizes, capacity):
     for name, t in (("lhs", lhs), ("rhs", rhs)):
-        if not jnp.issubdtype(jnp.result_type(t), jnp.floating):
-            raise TypeError(f"qragged_dot needs floating-point operands; {name} has dtype "
-                            f"{jnp.result_type(t)}")
+        _check_operand(name, t, "qragged_dot")
     ls, rs, gs = jnp.shape(lhs), jnp.shape(rhs), jnp.shape(group_sizes)
     if len(ls) != 2 or len(rs) != 3 or ls[1] != rs[1]:
         raise ValueError(f"qragged_dot takes lhs (M, K) and rhs (G, K, N), as "

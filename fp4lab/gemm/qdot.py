@@ -329,9 +329,9 @@ def saved_bytes(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16") -> d
             "host": xs if recipe.saved_x is not None and recipe.saved_x.offload else 0}
 
 
-def _check_operand(name, x):
+def _check_operand(name, x, caller="qdot_general"):
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise TypeError(f"qdot_general needs floating-point operands; {name} has dtype "
+        raise TypeError(f"{caller} needs floating-point operands; {name} has dtype "
                         f"{jnp.result_type(x)}")
 
 
