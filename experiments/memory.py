@@ -27,6 +27,9 @@ stays above that analysis, and within a small factor of it):
   per Mamba block (the parallel scan's levels and their gradients; the recurrent scan of
   ``ssm_state_format`` stores fewer), and 8 of its ``in_proj`` outputs;
 * ``mlp``: 8 arrays of ``batch x seq_len x mlp_mult * d_model`` per MLP block;
+* ``moe``: per MoE block, 6 arrays of every expert's slot of all ``batch x seq_len x top_k``
+  rows, at the experts' input and hidden widths (the grouped GEMM's capacity layout, and
+  ``jax.lax.ragged_dot``'s on CPU, hold every row once per expert), and 8 of the rows;
 * ``blocks``: 16 arrays of ``batch x seq_len x d_model`` per block (norms, the residual
   stream, quantized operands).
 
@@ -57,12 +60,25 @@ def param_count(cfg) -> int:
     block = {"M": d * (2 * inner + 2 * n + heads) + (cfg.conv_width + 1) * conv + 3 * heads
              + inner + inner * d,
              "*": 3 * d * d + d * d,
-             "-": 2 * d * f}
+             "-": 2 * d * f,
+             "E": _moe_params(cfg)}
     per_block = d + (d if cfg.residual_gate else 0)  # its norm (and gate)
     total = 2 * v * d + d + sum(block[k] + per_block for k in cfg.pattern)
     if cfg.mtp:
         total += 2 * d + 2 * d * d + block["-"] + per_block + (0 if cfg.mtp_tied_head else d * v)
     return total
+
+
+def _moe_widths(cfg) -> tuple[int, int]:
+    """An MoE block's expert input width (the latent one, if any) and hidden width."""
+    d = cfg.d_model
+    return cfg.moe_latent or d, cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
+
+
+def _moe_params(cfg) -> int:
+    d, (z, h) = cfg.d_model, _moe_widths(cfg)
+    return (d * cfg.moe_experts + 2 * cfg.moe_experts * z * h
+            + (2 * d * z if cfg.moe_latent else 0) + (2 * d * h if cfg.moe_shared else 0))
 
 
 def step_bytes(cfg, *, batch: int, seq_len: int, replicas: int = 1) -> dict[str, int]:
@@ -71,7 +87,9 @@ def step_bytes(cfg, *, batch: int, seq_len: int, replicas: int = 1) -> dict[str,
     holds ``replicas`` copies of the state; by term (the module docstring)."""
     b, length, d = batch, seq_len, cfg.d_model
     tokens = b * length
-    kinds = {k: cfg.pattern.count(k) for k in "M*-"}
+    kinds = {k: cfg.pattern.count(k) for k in "M*-E"}
+    z, h = _moe_widths(cfg)
+    rows = tokens * cfg.moe_top_k  # an expert GEMM's rows, in every expert's slot (qragged_dot)
     mtp = int(cfg.mtp)
     inner, n = cfg.ssm_expand * d, cfg.ssm_state
     ssm_heads = inner // cfg.ssm_head_dim
@@ -88,6 +106,7 @@ def step_bytes(cfg, *, batch: int, seq_len: int, replicas: int = 1) -> dict[str,
         "ssm": kinds["M"] * (10 * tokens * inner * n + 8 * tokens * (2 * inner + 2 * n
                                                                       + ssm_heads)) * F32,
         "mlp": (kinds["-"] + mtp) * 8 * tokens * cfg.mlp_mult * d * F32,
+        "moe": kinds["E"] * (6 * cfg.moe_experts * rows * (z + h) + 8 * rows * z) * F32,
         "blocks": (len(cfg.pattern) + mtp) * 16 * tokens * d * F32,
     }
 
@@ -139,7 +158,7 @@ def format_bytes(n: float) -> str:
 
 _TERMS = {"state": "parameters and optimizer state", "logits": "logits",
           "attention": "attention scores", "ssm": "Mamba-2 scan states",
-          "mlp": "MLP activations", "blocks": "block activations"}
+          "mlp": "MLP activations", "moe": "MoE expert slots", "blocks": "block activations"}
 
 
 def check_memory(config, cfg, n_devices: int, *, devices=None,

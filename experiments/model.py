@@ -10,10 +10,27 @@ policy presets expect:
   output projection, unlike DeepSeek-V3's shared one, so that every GEMM runs once per step
   and its probes measure one call);
 * ``blocks_{i}/mamba/{in_proj,out_proj}``, ``blocks_{i}/attention/{qkv,out}``,
-  ``blocks_{i}/mlp/{up,down}``.
+  ``blocks_{i}/mlp/{up,down}``;
+* MoE blocks: ``blocks_{i}/moe/router`` (float32 unless ``moe_router_dtype`` says otherwise;
+  fp4lab's policies leave a router alone unless a rule names it),
+  ``blocks_{i}/moe/experts/ragged_dot_{0,1}`` (the expert stacks' up and down GEMMs, one
+  ``jax.lax.ragged_dot`` each, which fp4lab quantizes expert by expert), the shared expert
+  ``blocks_{i}/moe/shared_expert/{up,down}`` and LatentMoE's ``blocks_{i}/moe/latent_{down,up}``.
 
 The block pattern uses Nemotron-H's letters: ``M`` Mamba-2 block, ``*`` attention block, ``-``
-MLP block. Every block is pre-norm residual: ``x + mixer(rmsnorm(x))``.
+MLP block, ``E`` Mixture-of-Experts block. Every block is pre-norm residual:
+``x + mixer(rmsnorm(x))``.
+
+MoE block (``experiments.moe`` routes): a router GEMM and top-``moe_top_k`` of
+``moe_experts`` scores (softmax or sigmoid, normalized over the chosen; float32), the tokens'
+rows dispatched dropless, sorted by expert, through two expert GEMMs with the MLP's squared
+ReLU between, and combined with the routing weights; Switch's load-balancing loss enters the
+backward pass with weight ``moe_aux_loss``. ``moe_shared`` adds a shared expert (an MLP of
+the experts' width on every token); ``moe_latent`` > 0 makes it a LatentMoE (Nemotron 3):
+the tokens projected down to that width before routing and dispatch, the experts working
+there, the combined output projected back up (the router and shared expert see the full
+width). The experts' width ``moe_hidden`` defaults to ``mlp_mult * d / moe_top_k``, so a
+token's active expert parameters match a dense MLP's.
 
 Mamba-2 block: ``in_proj`` to (z, x, B, C, delta); a short causal depthwise convolution and
 SiLU on (x, B, C); the selective scan with a scalar decay per head, with the time step
@@ -56,9 +73,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from experiments import moe
+from experiments.moe import ROUTER_SCORES
+
 __all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS", "recurrent_scan", "ssm_combine"]
 
-BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 SSM_STATE_FORMATS = ("", "fp32", "bf16", "fp16", "int8_block128", "fp8_block128")
 RESIDUAL_FORMATS = ("", "e4m3", "e4m3_token")
 
@@ -147,6 +167,17 @@ class ModelConfig:
     # the MLP's squared ReLU kept for the backward pass as its input in this format and
     # recomputed from it (fp4lab.gemm.saved.recompute; Kimi K2's FP8-stored SwiGLU inputs); "" = off
     mlp_saved: str = ""
+    # Mixture-of-Experts blocks (pattern letter E): experts, experts per token, expert width
+    # (0: mlp_mult * width / top_k), router scores (softmax | sigmoid) and the router's GEMM
+    # dtype, the load-balancing loss's weight (0: off), a shared expert, a LatentMoE width
+    moe_experts: int = 8
+    moe_top_k: int = 2
+    moe_hidden: int = 0
+    moe_router: str = "softmax"
+    moe_router_dtype: str = "float32"
+    moe_aux_loss: float = 0.01
+    moe_shared: bool = False
+    moe_latent: int = 0
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -171,6 +202,17 @@ class ModelConfig:
             from fp4lab.numerics.formats import get_format
 
             get_format(self.mlp_saved)  # raises, naming the format and the known ones
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must lie in [1, moe_experts="
+                             f"{self.moe_experts}]")
+        if self.moe_router not in ROUTER_SCORES:
+            raise ValueError(f"moe_router={self.moe_router!r}: use one of {ROUTER_SCORES}")
+        jnp.dtype(self.moe_router_dtype)
+        for name in ("moe_hidden", "moe_latent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.moe_aux_loss < 0:
+            raise ValueError(f"moe_aux_loss={self.moe_aux_loss} must be >= 0")
         if self.attention not in ("einsum", "flash"):
             raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
         if self.residual_format not in RESIDUAL_FORMATS:
@@ -337,11 +379,12 @@ def _relu2(h):
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    hidden: int = 0  # 0: mlp_mult * width
 
     @nn.compact
     def __call__(self, x_BxLxD):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        h_BxLxF = _dense(cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
+        h_BxLxF = _dense(self.hidden or cfg.mlp_mult * x_BxLxD.shape[-1], "up", dtype)(x_BxLxD)
         act = _relu2
         if cfg.mlp_saved:
             from fp4lab.gemm.saved import recompute
@@ -350,7 +393,52 @@ class MLP(nn.Module):
         return _dense(x_BxLxD.shape[-1], "down", dtype)(act(h_BxLxF))
 
 
-_MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}
+class Experts(nn.Module):
+    """``moe_experts`` expert MLPs (up, squared ReLU, down) on rows sorted by expert: two
+    ``jax.lax.ragged_dot`` calls on stacked float32 weights cast to the compute dtype."""
+
+    cfg: ModelConfig
+    hidden: int
+
+    @nn.compact
+    def __call__(self, rows_RxD, sizes_E):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        d, e = rows_RxD.shape[-1], cfg.moe_experts
+        init = nn.initializers.lecun_normal(batch_axis=(0,))  # per expert: fan-in d
+        up_ExDxF = self.param("up", init, (e, d, self.hidden))
+        down_ExFxD = self.param("down", init, (e, self.hidden, d))
+        h_RxF = jax.lax.ragged_dot(rows_RxD.astype(dtype), up_ExDxF.astype(dtype), sizes_E)
+        return jax.lax.ragged_dot(_relu2(h_RxF), down_ExFxD.astype(dtype), sizes_E)
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        batch, length, d = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(batch * length, d)
+        router_dtype = jnp.dtype(cfg.moe_router_dtype)
+        logits_TxE = _dense(cfg.moe_experts, "router", router_dtype)(x_TxD.astype(router_dtype))
+        weights_TxK, experts_TxK, probs_TxE = moe.route(logits_TxE, cfg.moe_top_k,
+                                                        cfg.moe_router)
+        z_TxZ = _dense(cfg.moe_latent, "latent_down", dtype)(x_TxD) if cfg.moe_latent else x_TxD
+        hidden = cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
+        rows_RxZ, sizes_E, order_R = moe.dispatch(z_TxZ, experts_TxK, cfg.moe_experts)
+        y_RxZ = Experts(cfg, hidden, name="experts")(rows_RxZ, sizes_E)
+        y_TxD = moe.combine(y_RxZ, order_R, weights_TxK).astype(dtype)
+        if cfg.moe_latent:
+            y_TxD = _dense(d, "latent_up", dtype)(y_TxD)
+        if cfg.moe_aux_loss:
+            y_TxD = moe.with_aux_loss(y_TxD, moe.balance_loss(probs_TxE, experts_TxK),
+                                      cfg.moe_aux_loss)
+        if cfg.moe_shared:
+            y_TxD = y_TxD + MLP(cfg, hidden, name="shared_expert")(x_TxD.astype(dtype))
+        return y_TxD.reshape(batch, length, d)
+
+
+_MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
 
 
 class Block(nn.Module):

@@ -8,7 +8,9 @@ Importing this module (``import experiments`` does) registers, with
   the attention output (the input of attention/out) saved as E4M3, E5M6 or E5M6 with
   power-of-two scales (DeepSeek-V3);
 * the sweep's names: ``nemotron3_no_mxfp8`` (Mamba out_proj left in NVFP4),
-  ``nemotron3_no_tail`` (no BF16 last 15 %);
+  ``nemotron3_no_tail`` (no BF16 last 15 %), ``nemotron3_latent_nvfp4`` (its LatentMoE's
+  latent projections in NVFP4, not BF16), ``nvfp4_experts`` / ``nvfp4_mlp`` (NVFP4 on the
+  expert stacks / the dense MLPs only, the rest BF16);
 * ``<recipe>_bf16_first<k>`` / ``<recipe>_bf16_last<k>``: every layer in the recipe except
   those of the first / last ``k`` blocks, in BF16 (``nvfp4_bf16_last2``: the NVFP4 paper's
   ablation of which blocks to keep in high precision).
@@ -27,6 +29,7 @@ under a policy with the same hash).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -57,6 +60,16 @@ NAMED = {
         default="bf16"),
     "nemotron3_no_mxfp8": lambda: nemotron3(mamba_out=None),
     "nemotron3_no_tail": lambda: nemotron3(bf16_tail=0.0),
+    # the MoE sweep's: Nemotron 3 with its LatentMoE's latent projections in NVFP4 too
+    "nemotron3_latent_nvfp4": lambda: dataclasses.replace(nemotron3(), rules=tuple(
+        r for r in nemotron3().rules if r.name != "latent projections")),
+    # NVFP4 on the expert stacks alone / on the dense MLPs alone, everything else BF16
+    "nvfp4_experts": lambda: PrecisionPolicy(
+        rules=(Rule(name="expert stacks", recipe="nvfp4", kind="lax.ragged_dot"),),
+        default="bf16"),
+    "nvfp4_mlp": lambda: PrecisionPolicy(
+        rules=(Rule(name="MLP layers", recipe="nvfp4", pattern=r"(?:.*/)?mlp/\w+"),),
+        default="bf16"),
 }
 
 

@@ -20,12 +20,15 @@ __all__ = ["probe_records", "summarize_probes", "underflow_by_kind", "layer_kind
            "layer_order", "KIND_ORDER"]
 
 KIND_ORDER = ("mamba/in_proj", "mamba/out_proj", "attention/qkv", "attention/out", "mlp/up",
-              "mlp/down", "head")
+              "mlp/down", "moe/router", "moe/latent_down", "moe/experts/ragged_dot_0",
+              "moe/experts/ragged_dot_1", "moe/latent_up", "moe/shared_expert/up", "moe/shared_expert/down",
+              "head")
 
 
 def layer_kind(path: str) -> str:
-    """``blocks_3/mamba/out_proj`` -> ``mamba/out_proj`` (the layer's role, without depth)."""
-    return re.sub(r"(?:^|(?<=/))blocks_\d+/", "", path)
+    """``blocks_3/mamba/out_proj`` -> ``mamba/out_proj`` (the layer's role, without depth;
+    an expert stack's experts, ``.../expert_5``, are the stack's)."""
+    return re.sub(r"/expert_\d+$", "", re.sub(r"(?:^|(?<=/))blocks_\d+/", "", path))
 
 
 def layer_order(path: str):
@@ -37,7 +40,8 @@ def layer_order(path: str):
 
 
 def probe_records(probe_grads: dict) -> dict:
-    """``{layer: {operand: {metric: value}}}`` from the probes' gradient (host arrays)."""
+    """``{layer: {operand: {metric: value}}}`` from the probes' gradient (host arrays); an
+    expert stack's probe (one table per expert) gives a layer per expert, ``.../expert_e``."""
     out = {}
 
     def walk(d, prefix):
@@ -45,8 +49,12 @@ def probe_records(probe_grads: dict) -> dict:
             if isinstance(v, dict):
                 walk(v, prefix + [k])
                 continue
-            # a layer's "gemm", or an intercepted op's (einsum_0, ...)
-            out["/".join(prefix if k == "gemm" else prefix + [k])] = probe_table(v)
+            # a layer's "gemm", or an intercepted op's (einsum_0, ragged_dot_0, ...)
+            name = "/".join(prefix if k == "gemm" else prefix + [k])
+            if np.ndim(v) == 3:
+                out.update({f"{name}/expert_{e}": probe_table(t) for e, t in enumerate(v)})
+            else:
+                out[name] = probe_table(v)
 
     walk(probe_grads, [])
     return out

@@ -14,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile_cache = ""  # a folder for JAX's persistent compilation cache ("" = off)
 
     c.model = ml_collections.ConfigDict(dict(
-        pattern="M-M*M-",  # Nemotron-H letters: M Mamba-2, * attention, - MLP
+        pattern="M-M*M-",  # Nemotron-H letters: M Mamba-2, * attention, - MLP, E MoE
         d_model=64, vocab=256, num_heads=4, mlp_mult=4, ssm_expand=2, ssm_head_dim=16,
         ssm_state=16, conv_width=4, mtp=False, mtp_tied_head=False, dtype="bfloat16",
         # "einsum", or "flash" (fp4lab.beyond.attention) with its P.V rounding and saved output
@@ -24,7 +24,12 @@ def get_config() -> ml_collections.ConfigDict:
         # the residual stream between blocks: "", "e4m3" or "e4m3_token"; gated writes
         residual_format="", residual_gate=False,
         # the MLP's squared ReLU recomputed from its input stored in a format ("" = off)
-        mlp_saved=""))
+        mlp_saved="",
+        # MoE blocks (E): experts, top-k, expert width (0: mlp_mult * d_model / top_k),
+        # softmax | sigmoid scores, the router GEMM's dtype, the load-balancing loss's weight,
+        # a shared expert, a LatentMoE width (0: off); experiments/model.py
+        moe_experts=8, moe_top_k=2, moe_hidden=0, moe_router="softmax",
+        moe_router_dtype="float32", moe_aux_loss=0.01, moe_shared=False, moe_latent=0))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources
