@@ -3,8 +3,6 @@ routing against NumPy, the dispatch and combine as a permutation, the load-balan
 its gradient, and the block in the model: parameter paths, causality, what ``nemotron3``
 assigns to each of its GEMMs."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,13 +86,6 @@ def test_the_moe_block_in_the_model():
     for t in (5,):  # routing is per token: a later token never changes an earlier one
         out, _ = f(params, tokens.at[:, t].set((tokens[:, t] + 1) % 256))
         np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
-
-    def router_grad(coef):
-        m = HybridLM(dataclasses.replace(CFG, moe_aux_loss=coef))
-        g = jax.grad(lambda q: jnp.sum(m.apply(q, tokens)[0][:, :, :8]))(params)
-        return np.asarray(g["params"]["blocks_0"]["moe"]["router"]["kernel"])
-
-    assert not np.array_equal(router_grad(0.0), router_grad(0.5))  # the balance loss reaches it
 
     rows = {a.path: a for a in quantize_model(model, "nemotron3").explain(params, tokens)}
     assert rows["blocks_0/moe/router"].recipe is None  # float32, as written
