@@ -24,9 +24,10 @@ __all__ = ["probe_zeros", "probe_table", "measure", "PROBE_SHAPE", "Probes"]
 PROBE_SHAPE = (len(OPERANDS), len(METRIC_NAMES))
 
 
-def probe_zeros() -> jax.Array:
-    """The ``probe`` argument of :func:`fp4lab.qdot_general`: zeros of :data:`PROBE_SHAPE`."""
-    return jnp.zeros(PROBE_SHAPE, jnp.float32)
+def probe_zeros(experts: int | None = None) -> jax.Array:
+    """The ``probe`` argument of :func:`fp4lab.qdot_general`: zeros of :data:`PROBE_SHAPE`;
+    with ``experts``, one per expert (``fp4lab.qragged_dot``'s), stacked."""
+    return jnp.zeros(PROBE_SHAPE if experts is None else (experts, *PROBE_SHAPE), jnp.float32)
 
 
 def probe_table(probe_grad) -> dict[str, dict[str, float]]:

@@ -200,8 +200,8 @@ def _linen_probe(module: nn.Module, name: str = "gemm", experts: int | None = No
     """The GEMM's probe (see :meth:`QuantizedLinen.probe_zeros`), if the caller passed the
     ``"probes"`` collection: variable ``name`` of ``module`` (``"gemm"`` for a layer,
     ``"einsum_0"``... for a call); an expert stack's (``experts``) is stacked per expert."""
-    init = probe_zeros if experts is None else lambda: jnp.stack([probe_zeros()] * experts)
-    return _collection_variable(module, "probes", name, init, "probe", "probe_zeros")
+    return _collection_variable(module, "probes", name, lambda: probe_zeros(experts), "probe",
+                                "probe_zeros")
 
 
 def _linen_history(module: nn.Module, recipe: Recipe, name: str = "gemm"):

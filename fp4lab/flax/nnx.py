@@ -136,8 +136,7 @@ class _QuantizedGemm(nnx.Module):
         if self.recipe.delayed is not None:
             self.amax_history = AmaxHistory(init_history(self.recipe.delayed))
         if probe:  # an expert stack's (``experts``): one per expert
-            self.probe = QuantProbe(probe_zeros() if experts is None else
-                                    jnp.stack([probe_zeros()] * experts))
+            self.probe = QuantProbe(probe_zeros(experts))
 
     def _key(self):
         """This call's SR key: the base key folded with the counter, which then advances (a
