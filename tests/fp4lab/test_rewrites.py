@@ -280,16 +280,12 @@ def _hlo_constants(text):
     return {_f32(m.group(1)) for m in re.finditer(pat, text)}
 
 
-def test_optimized_hlo_holds_no_constant_the_formulas_do_not():
-    """A folded reciprocal (``fl(1/127)`` for ``amax / 127``) or a reassociated product of
-    constants (``fl(amax * fl(1/2688))``) shows as a float constant that the program XLA was
-    given does not contain (signs aside: XLA may negate a constant to fold a subtraction)."""
-    for name, (f, args) in _rtn_programs().items():
-        lowered = jax.jit(f).lower(*args)
-        given = _stablehlo_constants(lowered.as_text())
-        made = _hlo_constants(lowered.compile().as_text())
-        new = {v for v in made if not np.isnan(v) and v not in given and -v not in given}
-        assert not new, f"{name}: XLA made constants {sorted(new)} (given {sorted(given)})"
+def _made_constants(lowered, optimized: str) -> set:
+    """Float constants of the optimized program that the program XLA was given does not
+    contain (signs aside: XLA may negate a constant to fold a subtraction)."""
+    given = _stablehlo_constants(lowered.as_text())
+    return {v for v in _hlo_constants(optimized)
+            if not np.isnan(v) and v not in given and -v not in given}
 
 
 # operations a product flows through unchanged in value or in what a compiler sees of it
@@ -389,16 +385,23 @@ def _cuda_module(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
 
 
-def test_no_product_flows_into_an_addition():
-    """In every round-to-nearest quantizer path, lowered for CUDA (no GPU needed) and
-    optimized for the default backend (CPU here, the GPU in gpu-check), no float product
-    reaches an addition: nothing that a compiler could
-    contract into an FMA. The consumer's ``+ r`` after fake_quant included: the rounded
-    output's barrier separates them."""
+def test_optimized_quantizers_hold_no_new_constant_and_no_contractible_product():
+    """Every round-to-nearest quantizer path, compiled once for the default backend (CPU
+    here, the GPU in gpu-check):
+
+    - XLA made no float constant: a folded reciprocal (``fl(1/127)`` for ``amax / 127``) or
+      a reassociated product of constants (``fl(amax * fl(1/2688))``) would show as one;
+    - no float product reaches an addition, in that program and lowered for CUDA (no GPU
+      needed): nothing that a compiler could contract into an FMA. The consumer's ``+ r``
+      after fake_quant included: the rounded output's barrier separates them."""
     for name, (f, args) in _rtn_programs().items():
         cuda = stablehlo_product_fed_additions(_cuda_module(f, *args))
         assert not cuda, f"{name} (lowered for CUDA): {cuda}"
-        opt = hlo_product_fed_additions(jax.jit(f).lower(*args).compile().as_text())
+        lowered = jax.jit(f).lower(*args)
+        optimized = lowered.compile().as_text()
+        new = _made_constants(lowered, optimized)
+        assert not new, f"{name}: XLA made constants {sorted(new)}"
+        opt = hlo_product_fed_additions(optimized)
         assert not opt, f"{name} (optimized for {jax.default_backend()}): {opt}"
 
 
