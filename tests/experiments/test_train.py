@@ -146,7 +146,7 @@ def test_a_nan_in_the_batch_stops_cleanly_with_the_last_good_state(tiny, text, t
             return Batch(b.tokens, w)
 
     data = Poisoned(text.train, text.val, text.files, text.source)
-    tiny.precision.policy = "bf16"
+    tiny.precision.policy, tiny.model.pattern = "bf16", "-"  # (the mechanics: one block)
     with pytest.raises(TrainingDiverged, match="non-finite at step 5"):
         train(tiny, tmp_path / "run", data=data, progress=False)
     recorded = losses(tmp_path / "run")
@@ -249,6 +249,7 @@ def test_a_workdir_with_another_config_is_refused_unless_the_change_is_allowed(t
                                                                                tmp_path):
     tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 6, 0, 0
     tiny.precision.policy = "bf16"  # the cheapest program to compile: the test is the config
+    tiny.model.pattern = "-"
     train(tiny, tmp_path, data=text, progress=False)
     other = tiny.copy_and_resolve_references()
     other.precision.policy, other.train.steps = "nvfp4", 8
@@ -283,7 +284,8 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tiny, corpus_d
     monkeypatch.setattr(data_module.TextData, "batch", batch)
     args = ["--config", "tiny", "--workdir", str(tmp_path / "run"),
             f"data.paths=('{corpus_dir}',)",
-            f"compile_cache={tiny.compile_cache}", "probes.every=0", "train.ckpt_every=0"]
+            f"compile_cache={tiny.compile_cache}", "probes.every=0", "train.ckpt_every=0",
+            "model.pattern=-"]  # one MLP block: the test is the interruption
     assert main(args) == 130
     err = capsys.readouterr().err
     assert "interrupted after step 4 of 12" in err and "again to resume" in err
@@ -402,6 +404,7 @@ def test_a_run_under_an_edited_policy_file_is_refused_on_resume_and_by_its_analy
     save_policy(all_layers("mxfp8"), policy)
     tiny.precision.policy = f"file:{policy}"
     tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 4, 2, 0
+    tiny.model.pattern = "-"  # one MLP block: the test is the policy file
     r = train(tiny, tmp_path / "run", data=text, progress=False)
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     assert stored["precision"]["policy_rules"]["default"] == "mxfp8"
@@ -427,7 +430,7 @@ def test_osci_reset_acts_at_the_end_of_each_window(tiny, text, tmp_path):
     mechanism is the same as under tetrajet_v2's double blocks, and it compiles in a
     fraction of the time.)"""
     tiny.train.steps, tiny.train.ckpt_every, tiny.probes.every = 8, 0, 0
-    tiny.precision.policy = "mxfp4_weights"
+    tiny.precision.policy, tiny.model.pattern = "mxfp4_weights", "-"
     o = tiny.train.osci_reset
     o.period, o.window, o.threshold, o.start, o.format = 4, 1, 1e-9, 0, "mxfp4"
     train(tiny, tmp_path / "run", data=text, progress=False)
