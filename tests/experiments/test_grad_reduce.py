@@ -37,6 +37,7 @@ def test_the_step_reduces_the_replicas_gradients_as_its_modes_say(tiny, text):
     devices = jax.devices()[:N]
     assert len(devices) == N
     mesh = Mesh(np.array(devices), ("data",))
+    tiny.model.pattern = "-"  # one MLP block (and the head): each reduction mode on its leaves
     model = HybridLM(model_config(tiny))
     b = text.batch(0, 0, N, tiny.data.seq_len)
     params = model.init(jax.random.key(0), jnp.asarray(b.tokens[:, :-1]))["params"]
@@ -92,7 +93,7 @@ def test_a_run_with_bf16_reduction_of_the_head_trains_and_logs_mtp_survival(tiny
                                                                            tmp_path):
     from experiments.records import read_jsonl
 
-    tiny.precision.policy, tiny.probes.every = "bf16", 0
+    tiny.precision.policy, tiny.probes.every, tiny.model.pattern = "bf16", 0, "-"
     tiny.model.mtp, tiny.model.mtp_tied_head, tiny.train.grad_survival = True, True, True
     tiny.train.grad_reduce, tiny.train.grad_reduce_rules = "fp32", (("head/.*", "bf16_ring"),)
     r = train(tiny, tmp_path / "run", data=text, progress=False)
