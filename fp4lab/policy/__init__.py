@@ -23,12 +23,13 @@ warned about.
 (``quantize_model``, ``explain``, ``fp4lab.export``, the MaxText integration, experiments'
 configs): a recipe's name or ``all:<recipe>`` (every layer), ``file:<policy.json>``, or a
 registered name. :func:`register_policy` adds a fixed name (the presets ``nemotron3`` and
-``nvfp4_paper`` are registered so), :func:`register_policy_family` a parameterised family of
+``nvfp4_paper`` and the MoE systems' of :data:`MOE_PRESETS`, ``deepseek_v4``, ``kimi_k3`` and
+``gpt_oss``, are registered so), :func:`register_policy_family` a parameterised family of
 names (a regex and a factory of its match); ``import experiments`` registers the experiments'
 names.
 """
 
-from fp4lab.policy.presets import all_layers, nemotron3, nvfp4_paper
+from fp4lab.policy.presets import MOE_PRESETS, all_layers, moe_preset, nemotron3, nvfp4_paper
 from fp4lab.policy.registry import (PRESETS, get_policy, known_policies, register_policy,
                                     register_policy_family)
 from fp4lab.policy.rules import (EXPERT_KINDS, INTERCEPTED_KINDS, LAYER_KINDS, OP_KINDS,
@@ -39,7 +40,7 @@ from fp4lab.policy.serialization import (load_policy, policy_from_dict, policy_t
 from fp4lab.policy.table import ExplainTable, check_unused, explain, param_layers
 
 __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "ExplainTable", "explain", "PRESETS",
-           "get_policy", "nemotron3", "nvfp4_paper", "all_layers", "policy_to_dict",
+           "get_policy", "nemotron3", "nvfp4_paper", "moe_preset", "MOE_PRESETS", "all_layers", "policy_to_dict",
            "policy_from_dict", "load_policy", "save_policy", "block_pattern_for",
            "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "EXPERT_KINDS", "INTERCEPTED_KINDS",
            "check_unused", "register_policy", "register_policy_family", "known_policies",

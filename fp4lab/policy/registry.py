@@ -9,7 +9,7 @@ import re
 import types
 from collections.abc import Callable, Mapping
 
-from fp4lab.policy.presets import all_layers, nemotron3, nvfp4_paper
+from fp4lab.policy.presets import MOE_PRESETS, all_layers, moe_preset, nemotron3, nvfp4_paper
 from fp4lab.policy.rules import PrecisionPolicy
 from fp4lab.policy.serialization import load_policy
 from fp4lab.gemm.recipe import Recipe
@@ -141,6 +141,18 @@ def _named(policy, name: str) -> PrecisionPolicy:
 
 register_policy("nemotron3", nemotron3)
 register_policy("nvfp4_paper", nvfp4_paper)
+
+
+def _moe_factory(name: str) -> Callable[[], PrecisionPolicy]:
+    def factory() -> PrecisionPolicy:
+        return moe_preset(name)
+
+    factory.__module__, factory.__qualname__ = moe_preset.__module__, f"moe_preset({name!r})"
+    return factory
+
+
+for _name in MOE_PRESETS:
+    register_policy(_name, _moe_factory(_name))
 
 
 @contextlib.contextmanager

@@ -97,6 +97,30 @@ def test_linen_moe_under_nemotron3_keeps_router_and_latent_and_quantizes_experts
     assert "ragged_dot_1" in text and "a router: not quantized unless a rule names it" in text
 
 
+@pytest.mark.filterwarnings("ignore::fp4lab.policy.PolicyWarning")  # (no blocks: no "outside")
+@pytest.mark.parametrize("preset", sorted(fp4lab.policy.MOE_PRESETS))
+def test_the_moe_presets_put_the_experts_in_their_recipe_and_leave_the_router(preset):
+    """DeepSeek-V4, Kimi K3, gpt-oss: the expert stacks in the system's expert recipe (by
+    rule, not the default), every other GEMM in its default, the router as the model
+    computes it; the experts' forward and gradients are qragged_dot's under that recipe."""
+    experts, default, _ = fp4lab.policy.MOE_PRESETS[preset]
+    model, x = LinenMoE(), _x(4)
+    params = model.init(jax.random.key(1), x)
+    qm = quantize_model(model, preset)
+    rows = {a.path: a for a in qm.explain(params, x)}
+    assert rows["router"].recipe is None
+    assert rows["ragged_dot_0"].recipe.name == rows["ragged_dot_1"].recipe.name == experts
+    assert rows["ragged_dot_0"].rule is not None
+    assert {rows[p].recipe.name for p in ("latent_down", "latent_up", "shared")} == {default}
+    ref = quantize_model(LinenMoE(ragged=functools.partial(fp4lab.qragged_dot,
+                                                           recipe=experts)), default)
+    key = {"quant": jax.random.key(5)}
+    got, want = (jax.grad(lambda p, m=m: jnp.sum(m.apply(p, x, rngs=key) ** 2))(params)
+                 for m in (qm, ref))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_linen_moe_computes_the_model_with_qragged_dot_gradients_included():
     x = _x(2)
     model = LinenMoE()
