@@ -25,7 +25,11 @@ MoE block (``experiments.moe`` routes): a router GEMM and top-``moe_top_k`` of
 ``moe_experts`` scores (softmax or sigmoid, normalized over the chosen; float32), the tokens'
 rows dispatched dropless, sorted by expert, through two expert GEMMs with the MLP's squared
 ReLU between, and combined with the routing weights; Switch's load-balancing loss enters the
-backward pass with weight ``moe_aux_loss``. ``moe_shared`` adds a shared expert (an MLP of
+backward pass with weight ``moe_aux_loss``; ``moe_bias_rate`` > 0 balances the load by
+DeepSeek-V3's auxiliary-loss-free rule instead or as well: a per-expert ``router_bias``
+parameter added to the scores for the choice of experts only (the weights are the unbiased
+scores), moved by the trainer after each step by ``moe_bias_rate`` towards the mean load
+(``experiments.moe.ExpertBias``; no gradient or optimizer touches it). ``moe_shared`` adds a shared expert (an MLP of
 the experts' width on every token); ``moe_latent`` > 0 makes it a LatentMoE (Nemotron 3):
 the tokens projected down to that width before routing and dispatch, the experts working
 there, the combined output projected back up (the router and shared expert see the full
@@ -178,6 +182,7 @@ class ModelConfig:
     moe_aux_loss: float = 0.01
     moe_shared: bool = False
     moe_latent: int = 0
+    moe_bias_rate: float = 0.0
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -211,8 +216,9 @@ class ModelConfig:
         for name in ("moe_hidden", "moe_latent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.moe_aux_loss < 0:
-            raise ValueError(f"moe_aux_loss={self.moe_aux_loss} must be >= 0")
+        for name in ("moe_aux_loss", "moe_bias_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.attention not in ("einsum", "flash"):
             raise ValueError(f"attention={self.attention!r}: use 'einsum' or 'flash'")
         if self.residual_format not in RESIDUAL_FORMATS:
@@ -421,8 +427,10 @@ class MoE(nn.Module):
         x_TxD = x_BxLxD.reshape(batch * length, d)
         router_dtype = jnp.dtype(cfg.moe_router_dtype)
         logits_TxE = _dense(cfg.moe_experts, "router", router_dtype)(x_TxD.astype(router_dtype))
+        bias_E = (self.param(moe.BIAS, nn.initializers.zeros, (cfg.moe_experts,), jnp.float32)
+                  if cfg.moe_bias_rate else None)
         weights_TxK, experts_TxK, probs_TxE = moe.route(logits_TxE, cfg.moe_top_k,
-                                                        cfg.moe_router)
+                                                        cfg.moe_router, bias_E)
         z_TxZ = _dense(cfg.moe_latent, "latent_down", dtype)(x_TxD) if cfg.moe_latent else x_TxD
         hidden = cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
         rows_RxZ, sizes_E, order_R = moe.dispatch(z_TxZ, experts_TxK, cfg.moe_experts)
@@ -430,6 +438,9 @@ class MoE(nn.Module):
         y_TxD = moe.combine(y_RxZ, order_R, weights_TxK).astype(dtype)
         if cfg.moe_latent:
             y_TxD = _dense(d, "latent_up", dtype)(y_TxD)
+        if self.has_variable(moe.LOADS, "load"):  # the trainer observes the experts' loads
+            y_TxD = moe.observe_load(y_TxD, self.get_variable(moe.LOADS, "load"),
+                                     moe.expert_load(experts_TxK, cfg.moe_experts))
         if cfg.moe_aux_loss:
             y_TxD = moe.with_aux_loss(y_TxD, moe.balance_loss(probs_TxE, experts_TxK),
                                       cfg.moe_aux_loss)

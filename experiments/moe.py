@@ -13,6 +13,13 @@ loss.
   its normalized score), 1 when the load is even; :func:`with_aux_loss` adds ``coef`` times
   its gradient to the backward pass without changing the forward or the training loss's
   value, as Megatron-Core's ``MoEAuxLossAutoScaler`` does.
+* :class:`ExpertBias`: DeepSeek-V3's auxiliary-loss-free balancing. Each MoE block's
+  ``router_bias`` (one float32 per expert) is added to the scores for the choice of experts
+  only; after each step the trainer moves it by ``model.moe_bias_rate`` towards the mean
+  load: ``b_e += rate * sign(mean_load - load_e)`` (Megatron-Core's
+  ``get_updated_expert_bias``), from the assignments the step's forward made (observed
+  through :func:`observe_load`, summed over the replicas); the optimizer leaves it alone
+  (:func:`freeze_router_biases`).
 """
 
 from __future__ import annotations
@@ -21,16 +28,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import traverse_util
 
-__all__ = ["ROUTER_SCORES", "route", "dispatch", "combine", "balance_loss", "with_aux_loss"]
+from fp4lab.features.protocol import Feature, Run, StepContext, Update
+
+__all__ = ["ROUTER_SCORES", "route", "dispatch", "combine", "balance_loss", "with_aux_loss",
+           "BIAS", "LOADS", "expert_load", "observe_load", "ExpertBias",
+           "freeze_router_biases"]
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+BIAS = "router_bias"  # an MoE block's parameter of per-expert routing biases
+LOADS = "expert_load"  # the collection through which the trainer observes the loads
 
 
-def route(logits_TxE, top_k: int, score: str):
+def route(logits_TxE, top_k: int, score: str, bias_E=None):
     """``(weights_TxK, experts_TxK, probs_TxE)``: each token's ``top_k`` experts by score
-    (float32), their weights (the selected scores normalized to sum to 1) and every score
-    normalized over the experts (what the balance loss averages)."""
+    (float32; by score plus ``bias_E`` where given, DeepSeek-V3's balancing bias, which
+    chooses but does not weigh), their weights (the selected unbiased scores normalized to
+    sum to 1) and every score normalized over the experts (what the balance loss
+    averages)."""
     logits_TxE = logits_TxE.astype(jnp.float32)
     if score == "softmax":
         scores_TxE = jax.nn.softmax(logits_TxE, axis=-1)
@@ -38,7 +55,11 @@ def route(logits_TxE, top_k: int, score: str):
         scores_TxE = jax.nn.sigmoid(logits_TxE)
     else:
         raise ValueError(f"router score {score!r}: use one of {ROUTER_SCORES}")
-    top_TxK, experts_TxK = jax.lax.top_k(scores_TxE, top_k)
+    if bias_E is None:
+        top_TxK, experts_TxK = jax.lax.top_k(scores_TxE, top_k)
+    else:
+        _, experts_TxK = jax.lax.top_k(scores_TxE + jax.lax.stop_gradient(bias_E), top_k)
+        top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
     weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
     probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
     return weights_TxK, experts_TxK, probs_TxE
@@ -89,3 +110,87 @@ def _with_aux_loss_bwd(coef, zeros, g):
 
 
 with_aux_loss.defvjp(_with_aux_loss_fwd, _with_aux_loss_bwd)
+
+
+def expert_load(experts_TxK, num_experts: int):
+    """The assignments each expert got (float32, ``(num_experts,)``)."""
+    return jnp.bincount(experts_TxK.reshape(-1), length=num_experts).astype(jnp.float32)
+
+
+@jax.custom_vjp
+def observe_load(x, probe_E, load_E):
+    """``x``, whose backward pass gives ``load_E`` as the cotangent of ``probe_E`` (zeros
+    the trainer passes in a collection and differentiates the loss against, as the GEMM
+    probes do): the step learns each MoE block's loads from its one forward."""
+    del probe_E, load_E
+    return x
+
+
+def _observe_load_fwd(x, probe_E, load_E):
+    return x, load_E
+
+
+def _observe_load_bwd(load_E, g):
+    return g, load_E, jnp.zeros_like(load_E)
+
+
+observe_load.defvjp(_observe_load_fwd, _observe_load_bwd)
+
+
+def _bias_paths(params: dict) -> list[tuple[str, ...]]:
+    return [path[:-1] for path in traverse_util.flatten_dict(params) if path[-1] == BIAS]
+
+
+def freeze_router_biases(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` for every parameter but the routers' biases, which it leaves as they are (no
+    weight decay, no update): :class:`ExpertBias` moves them."""
+    def labels(params):
+        return traverse_util.unflatten_dict({
+            path: "fixed" if path[-1] == BIAS else "trained"
+            for path in traverse_util.flatten_dict(params)})
+
+    return optax.multi_transform({"trained": tx, "fixed": optax.set_to_zero()}, labels)
+
+
+class ExpertBias(Feature):
+    """DeepSeek-V3's auxiliary-loss-free load balancing for the runs whose model has
+    ``moe_bias_rate`` > 0 (the module docstring). It keeps no state of its own: the biases
+    are parameters, so that evaluation, analyses, checkpoints and exports route as training
+    did. Each step's metrics: ``moe_load_max`` (the most loaded expert's share of its
+    block's assignments over the even share ``1 / experts``, averaged over the blocks)."""
+
+    name = "expert_bias"
+    OPTIONS = "model"
+    observes = True
+
+    def __init__(self, rate: float, blocks: list[tuple[str, ...]], experts: int):
+        self.rate, self.blocks, self.experts = rate, blocks, experts
+
+    @classmethod
+    def build(cls, run: Run) -> ExpertBias | None:
+        blocks = _bias_paths(run.params)
+        if not run.options.moe_bias_rate or not blocks:
+            return None
+        return cls(float(run.options.moe_bias_rate), blocks, int(run.options.moe_experts))
+
+    def variables(self, state, mode: str, training: bool) -> dict:
+        if not training:
+            return {}
+        zeros = {path + ("load",): jnp.zeros(self.experts, jnp.float32)
+                 for path in self.blocks}
+        return {LOADS: traverse_util.unflatten_dict(zeros)}
+
+    def combine_replicas(self, observed: dict, axis: str) -> dict:
+        return jax.tree.map(lambda a: jax.lax.psum(a, axis), observed)
+
+    def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
+        flat = traverse_util.flatten_dict(params)
+        loads = traverse_util.flatten_dict(ctx.observed[LOADS])
+        shares = []
+        for path in self.blocks:
+            load_E = loads[path + ("load",)]
+            flat[path + (BIAS,)] = flat[path + (BIAS,)] + self.rate * jnp.sign(
+                jnp.mean(load_E) - load_E)
+            shares.append(jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1.0))
+        return Update(state, traverse_util.unflatten_dict(flat),
+                      {"moe_load_max": jnp.mean(jnp.stack(shares))})

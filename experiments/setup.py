@@ -2,7 +2,8 @@
 quantized model, its all-BF16 twin for the late switch, the optimizer and the initial state
 placed on every device (data parallelism), with the stateful features the run needs (each
 feature of ``fp4lab.features.registry.TRAINING`` that the policy's layers or the config
-use: FP8 amax histories, the probes, OutControl's channel statistics, OsciReset)."""
+use: FP8 amax histories, the probes, OutControl's channel statistics, OsciReset), and the
+model's own (``MODEL_FEATURES``: the MoE routers' balancing biases)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from experiments import policies
+from experiments import moe, policies
 from experiments.data import Batch
 from experiments.model import HybridLM
 from experiments.run_spec import RunSpec, switch_step
@@ -76,6 +77,10 @@ class Setup:
         return next((f for f in self.features if f.name == name), None)
 
 
+# the model's own stateful features, after fp4lab's (fp4lab.features.registry.TRAINING)
+MODEL_FEATURES = (moe.ExpertBias,)
+
+
 def _options(config, path: str | None):
     """The config section at the dotted ``path`` (None: none)."""
     if path is None:
@@ -92,7 +97,7 @@ def _features(spec: RunSpec, qmodel, params, sample) -> tuple[Feature, ...]:
     t = config.train
     run = Run(qmodel, config.precision.policy, params, sample, steps=t.steps,
               quantized_steps=switch_step(t))  # one record of the model for all of them
-    for cls in TRAINING:
+    for cls in (*TRAINING, *MODEL_FEATURES):
         f = cls.build(dataclasses.replace(run, options=_options(config, cls.OPTIONS),
                                           collections=dict(collections)))
         if f is None:
@@ -115,6 +120,8 @@ def build(spec: RunSpec) -> Setup:
     model = HybridLM(model_config(config, data))
     place = Placement.over(devices)
     tx, sched = make_optimizer(t, num_heads=config.model.num_heads)
+    if config.model.moe_bias_rate:
+        tx = moe.freeze_router_biases(tx)  # ExpertBias moves them, not the optimizer
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
     qmodel = quantize_model(model, policy, backend=config.precision.backend)

@@ -31,6 +31,19 @@ def test_route_is_the_top_k_of_the_scores_normalized(score):
         moe.route(jnp.asarray(logits), 3, "relu")
 
 
+def test_a_routing_bias_chooses_the_experts_but_does_not_weigh_them():
+    """DeepSeek-V3's bias: the top-k of score + bias, weighted by the unbiased scores."""
+    logits = np.random.default_rng(3).normal(size=(12, 6)).astype(np.float32)
+    bias = np.asarray([0.3, -0.2, 0.0, 0.25, -0.4, 0.1], np.float32)
+    weights, experts, _ = moe.route(jnp.asarray(logits), 2, "sigmoid", jnp.asarray(bias))
+    s = 1 / (1 + np.exp(-logits))
+    want = np.argsort(-(s + bias), axis=-1, kind="stable")[:, :2]
+    np.testing.assert_array_equal(np.asarray(experts), want)
+    assert (want != np.argsort(-s, axis=-1, kind="stable")[:, :2]).any()  # the bias chose
+    top = np.take_along_axis(s, want, -1)
+    np.testing.assert_allclose(np.asarray(weights), top / top.sum(-1, keepdims=True), rtol=1e-6)
+
+
 def test_dispatch_sorts_rows_by_expert_and_combine_undoes_it():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
@@ -101,3 +114,46 @@ def test_bad_moe_configs():
         ModelConfig(moe_router="relu")
     with pytest.raises(ValueError, match="moe_latent=-1"):
         ModelConfig(moe_latent=-1)
+    with pytest.raises(ValueError, match="moe_bias_rate=-0.001 must be >= 0"):
+        ModelConfig(moe_bias_rate=-0.001)
+
+
+def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
+    """moe_bias_rate: after each training step each MoE block's router_bias has moved by
+    rate * sign(mean load - load), the loads counted here in NumPy from the router's logits
+    of the step's forward and the bias before it; the optimizer (AdamW, weight decay on)
+    does not touch it; the step reports the most loaded expert's share."""
+    import flax.linen as nn
+
+    from experiments.run_spec import specify
+    from experiments.setup import build
+    from experiments.step import make_step
+
+    tiny.model.pattern, tiny.model.moe_experts, tiny.model.moe_router = "E-E", 4, "sigmoid"
+    tiny.model.moe_bias_rate, tiny.train.weight_decay = 0.01, 0.1
+    tiny.precision.policy, tiny.probes.every = "bf16", 0
+    setup = build(specify(tiny, text))
+    assert [f.name for f in setup.features] == ["expert_bias"]
+    step = make_step(setup.qmodel, setup.tx, setup.sched, tiny.seed, 0.0, setup.features,
+                     setup.modes(setup.qmodel, 0))
+    state, rate = setup.state, np.float32(0.01)
+    for t in range(3):
+        b = text.batch(tiny.seed, t, tiny.data.batch_size, tiny.data.seq_len)
+        params = jax.tree.map(np.asarray, state.params)
+        _, inter = setup.qmodel.model.apply(  # the BF16 model: its router is float32 anyway
+            {"params": params}, jnp.asarray(b.tokens[:, :-1]), mutable=["intermediates"],
+            capture_intermediates=lambda m, _: isinstance(m, nn.Dense) and m.name == "router")
+        state, metrics, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights))
+        shares = []
+        for block in ("blocks_0", "blocks_2"):
+            logits = np.asarray(inter["intermediates"][block]["moe"]["router"]["__call__"][0])
+            bias = params[block]["moe"][moe.BIAS]
+            scores = 1 / (1 + np.exp(-logits.reshape(-1, 4).astype(np.float64)))
+            chosen = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :2]
+            load = np.bincount(chosen.reshape(-1), minlength=4)
+            want = bias + rate * np.sign(load.mean() - load).astype(np.float32)
+            got = np.asarray(state.params[block]["moe"][moe.BIAS])
+            np.testing.assert_array_equal(got, want, err_msg=f"{block}, step {t}")
+            shares.append(load.max() / load.mean())
+        assert float(metrics["moe_load_max"]) == pytest.approx(np.mean(shares), rel=1e-6)
+    assert np.abs(got).max() > rate  # moved more than once
