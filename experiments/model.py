@@ -29,8 +29,9 @@ backward pass with weight ``moe_aux_loss``; ``moe_bias_rate`` > 0 balances the l
 DeepSeek-V3's auxiliary-loss-free rule instead or as well: a per-expert ``router_bias``
 parameter added to the scores for the choice of experts only (the weights are the unbiased
 scores), moved by the trainer after each step by ``moe_bias_rate`` towards the mean load
-(``experiments.moe.ExpertBias``; no gradient or optimizer touches it). ``moe_shared`` adds a shared expert (an MLP of
-the experts' width on every token); ``moe_latent`` > 0 makes it a LatentMoE (Nemotron 3):
+(``experiments.moe.ExpertLoads``; no gradient or optimizer touches it). ``moe_shared``
+adds a shared expert (an MLP of the experts' width on every token); ``moe_latent`` > 0
+makes it a LatentMoE (Nemotron 3):
 the tokens projected down to that width before routing and dispatch, the experts working
 there, the combined output projected back up (the router and shared expert see the full
 width). The experts' width ``moe_hidden`` defaults to ``mlp_mult * d / moe_top_k``, so a

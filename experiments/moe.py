@@ -13,12 +13,13 @@ loss.
   its normalized score), 1 when the load is even; :func:`with_aux_loss` adds ``coef`` times
   its gradient to the backward pass without changing the forward or the training loss's
   value, as Megatron-Core's ``MoEAuxLossAutoScaler`` does.
-* :class:`ExpertBias`: DeepSeek-V3's auxiliary-loss-free balancing. Each MoE block's
+* :class:`ExpertLoads`: each MoE block's loads, observed from every training step's forward
+  (through :func:`observe_load`, summed over the replicas) and logged, and DeepSeek-V3's
+  auxiliary-loss-free balancing by them. Each MoE block's
   ``router_bias`` (one float32 per expert) is added to the scores for the choice of experts
   only; after each step the trainer moves it by ``model.moe_bias_rate`` towards the mean
   load: ``b_e += rate * sign(mean_load - load_e)`` (Megatron-Core's
-  ``get_updated_expert_bias``), from the assignments the step's forward made (observed
-  through :func:`observe_load`, summed over the replicas); the optimizer leaves it alone
+  ``get_updated_expert_bias``); the optimizer leaves it alone
   (:func:`freeze_router_biases`).
 """
 
@@ -34,7 +35,7 @@ from flax import traverse_util
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
 
 __all__ = ["ROUTER_SCORES", "route", "dispatch", "combine", "balance_loss", "with_aux_loss",
-           "BIAS", "LOADS", "expert_load", "observe_load", "ExpertBias",
+           "BIAS", "LOADS", "expert_load", "observe_load", "ExpertLoads",
            "freeze_router_biases"]
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -137,13 +138,15 @@ def _observe_load_bwd(load_E, g):
 observe_load.defvjp(_observe_load_fwd, _observe_load_bwd)
 
 
-def _bias_paths(params: dict) -> list[tuple[str, ...]]:
-    return [path[:-1] for path in traverse_util.flatten_dict(params) if path[-1] == BIAS]
+def _moe_blocks(params: dict) -> list[tuple[str, ...]]:
+    """The paths of the MoE blocks (``.../moe``: the modules holding a ``router``)."""
+    return [path[:-2] for path in traverse_util.flatten_dict(params)
+            if path[-2:] == ("router", "kernel")]
 
 
 def freeze_router_biases(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` for every parameter but the routers' biases, which it leaves as they are (no
-    weight decay, no update): :class:`ExpertBias` moves them."""
+    weight decay, no update): :class:`ExpertLoads` moves them."""
     def labels(params):
         return traverse_util.unflatten_dict({
             path: "fixed" if path[-1] == BIAS else "trained"
@@ -152,14 +155,16 @@ def freeze_router_biases(tx: optax.GradientTransformation) -> optax.GradientTran
     return optax.multi_transform({"trained": tx, "fixed": optax.set_to_zero()}, labels)
 
 
-class ExpertBias(Feature):
-    """DeepSeek-V3's auxiliary-loss-free load balancing for the runs whose model has
-    ``moe_bias_rate`` > 0 (the module docstring). It keeps no state of its own: the biases
-    are parameters, so that evaluation, analyses, checkpoints and exports route as training
-    did. Each step's metrics: ``moe_load_max`` (the most loaded expert's share of its
-    block's assignments over the even share ``1 / experts``, averaged over the blocks)."""
+class ExpertLoads(Feature):
+    """Every MoE block's expert loads, observed from each training step's forward, and,
+    where ``moe_bias_rate`` > 0, DeepSeek-V3's auxiliary-loss-free balancing by them (the
+    module docstring). It keeps no state of its own: the biases are parameters, so that
+    evaluation, analyses, checkpoints and exports route as training did. Each step's
+    metrics: ``moe_load_max`` and ``moe_load_min``, the most and the least loaded expert's
+    share of its block's assignments over the even share ``1 / experts``, averaged over the
+    blocks (a rarely routed expert shows as a low ``moe_load_min``)."""
 
-    name = "expert_bias"
+    name = "expert_loads"
     OPTIONS = "model"
     observes = True
 
@@ -167,9 +172,9 @@ class ExpertBias(Feature):
         self.rate, self.blocks, self.experts = rate, blocks, experts
 
     @classmethod
-    def build(cls, run: Run) -> ExpertBias | None:
-        blocks = _bias_paths(run.params)
-        if not run.options.moe_bias_rate or not blocks:
+    def build(cls, run: Run) -> ExpertLoads | None:
+        blocks = _moe_blocks(run.params)
+        if not blocks:
             return None
         return cls(float(run.options.moe_bias_rate), blocks, int(run.options.moe_experts))
 
@@ -186,11 +191,15 @@ class ExpertBias(Feature):
     def update(self, state, params: dict, mode: str, ctx: StepContext) -> Update:
         flat = traverse_util.flatten_dict(params)
         loads = traverse_util.flatten_dict(ctx.observed[LOADS])
-        shares = []
+        most, least = [], []
         for path in self.blocks:
             load_E = loads[path + ("load",)]
-            flat[path + (BIAS,)] = flat[path + (BIAS,)] + self.rate * jnp.sign(
-                jnp.mean(load_E) - load_E)
-            shares.append(jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1.0))
-        return Update(state, traverse_util.unflatten_dict(flat),
-                      {"moe_load_max": jnp.mean(jnp.stack(shares))})
+            if self.rate:
+                flat[path + (BIAS,)] = flat[path + (BIAS,)] + self.rate * jnp.sign(
+                    jnp.mean(load_E) - load_E)
+            even = jnp.maximum(jnp.mean(load_E), 1.0)
+            most.append(jnp.max(load_E) / even)
+            least.append(jnp.min(load_E) / even)
+        return Update(state, traverse_util.unflatten_dict(flat) if self.rate else params,
+                      {"moe_load_max": jnp.mean(jnp.stack(most)),
+                       "moe_load_min": jnp.mean(jnp.stack(least))})

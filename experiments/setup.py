@@ -3,7 +3,7 @@ quantized model, its all-BF16 twin for the late switch, the optimizer and the in
 placed on every device (data parallelism), with the stateful features the run needs (each
 feature of ``fp4lab.features.registry.TRAINING`` that the policy's layers or the config
 use: FP8 amax histories, the probes, OutControl's channel statistics, OsciReset), and the
-model's own (``MODEL_FEATURES``: the MoE routers' balancing biases)."""
+model's own (``MODEL_FEATURES``: the MoE blocks' expert loads and balancing biases)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class Setup:
 
 
 # the model's own stateful features, after fp4lab's (fp4lab.features.registry.TRAINING)
-MODEL_FEATURES = (moe.ExpertBias,)
+MODEL_FEATURES = (moe.ExpertLoads,)
 
 
 def _options(config, path: str | None):
@@ -121,7 +121,7 @@ def build(spec: RunSpec) -> Setup:
     place = Placement.over(devices)
     tx, sched = make_optimizer(t, num_heads=config.model.num_heads)
     if config.model.moe_bias_rate:
-        tx = moe.freeze_router_biases(tx)  # ExpertBias moves them, not the optimizer
+        tx = moe.freeze_router_biases(tx)  # ExpertLoads moves them, not the optimizer
     sample = jnp.zeros((d.batch_size, d.seq_len), jnp.int32)
     params = model.init(jax.random.key(config.seed), sample)["params"]
     qmodel = quantize_model(model, policy, backend=config.precision.backend)

@@ -122,7 +122,7 @@ def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
     """moe_bias_rate: after each training step each MoE block's router_bias has moved by
     rate * sign(mean load - load), the loads counted here in NumPy from the router's logits
     of the step's forward and the bias before it; the optimizer (AdamW, weight decay on)
-    does not touch it; the step reports the most loaded expert's share."""
+    does not touch it; the step reports the most and least loaded experts' shares."""
     import flax.linen as nn
 
     from experiments.run_spec import specify
@@ -133,7 +133,7 @@ def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
     tiny.model.moe_bias_rate, tiny.train.weight_decay = 0.01, 0.1
     tiny.precision.policy, tiny.probes.every = "bf16", 0
     setup = build(specify(tiny, text))
-    assert [f.name for f in setup.features] == ["expert_bias"]
+    assert [f.name for f in setup.features] == ["expert_loads"]
     step = make_step(setup.qmodel, setup.tx, setup.sched, tiny.seed, 0.0, setup.features,
                      setup.modes(setup.qmodel, 0))
     state, rate = setup.state, np.float32(0.01)
@@ -144,7 +144,7 @@ def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
             {"params": params}, jnp.asarray(b.tokens[:, :-1]), mutable=["intermediates"],
             capture_intermediates=lambda m, _: isinstance(m, nn.Dense) and m.name == "router")
         state, metrics, _ = step(state, jnp.asarray(b.tokens), jnp.asarray(b.weights))
-        shares = []
+        shares, least = [], []
         for block in ("blocks_0", "blocks_2"):
             logits = np.asarray(inter["intermediates"][block]["moe"]["router"]["__call__"][0])
             bias = params[block]["moe"][moe.BIAS]
@@ -155,5 +155,7 @@ def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
             got = np.asarray(state.params[block]["moe"][moe.BIAS])
             np.testing.assert_array_equal(got, want, err_msg=f"{block}, step {t}")
             shares.append(load.max() / load.mean())
+            least.append(load.min() / load.mean())
         assert float(metrics["moe_load_max"]) == pytest.approx(np.mean(shares), rel=1e-6)
+        assert float(metrics["moe_load_min"]) == pytest.approx(np.mean(least), rel=1e-6)
     assert np.abs(got).max() > rate  # moved more than once
