@@ -35,7 +35,7 @@ from flax import traverse_util
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
 
 __all__ = ["ROUTER_SCORES", "route", "dispatch", "combine", "balance_loss", "with_aux_loss",
-           "BIAS", "LOADS", "expert_load", "observe_load", "ExpertLoads",
+           "BIAS", "LOADS", "expert_load", "observe_load", "ExpertLoads", "expert_parallel",
            "freeze_router_biases"]
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -203,3 +203,57 @@ class ExpertLoads(Feature):
         return Update(state, traverse_util.unflatten_dict(flat) if self.rate else params,
                       {"moe_load_max": jnp.mean(jnp.stack(most)),
                        "moe_load_min": jnp.mean(jnp.stack(least))})
+
+
+def expert_parallel(x_TxD, experts_TxK, weights_TxK, expert_fn, num_experts: int, axis,
+                    dispatch_format=None):
+    """An MoE layer's experts across the devices of mesh axis ``axis`` (called inside
+    ``jax.shard_map``): each device holds ``T`` of the tokens (their top-k ``experts_TxK``
+    and ``weights_TxK`` from its own routing) and ``num_experts / P`` of the experts, device
+    ``p`` the ``p``-th run of them; ``expert_fn(rows, sizes)`` computes this device's
+    experts on rows sorted by expert (``sizes`` per local expert; rows after their sum are
+    padding, which it must map to zeros, as ``ragged_dot`` does).
+
+    Dropless: each device sends every row to the device of its expert in one all-to-all of
+    ``(P, T * k, D)`` slots (the rows for device ``q`` first in slot ``q``, sorted by
+    expert), quantized to ``dispatch_format`` (None: as they are; ``fp4lab.beyond.dispatch``:
+    MXFP8 forward, the backward unquantized), and the row counts in a second; the receiver
+    orders what it got by local expert, then by source device, which is the global token
+    order when the tokens are split over the devices in order, so each expert sees the rows
+    of the one-device layer in the same order. The outputs go back by a third all-to-all (in
+    their own dtype) and are combined with the routing weights."""
+    from fp4lab.beyond import dispatch as comm
+
+    P = jax.lax.axis_size(axis)
+    if num_experts % P:
+        raise ValueError(f"{num_experts} experts do not split over {P} devices of axis "
+                         f"{axis!r}")
+    local = num_experts // P
+    tokens, k = experts_TxK.shape
+    R = tokens * k
+    rows_RxD, sizes_E, order_R = dispatch(x_TxD, experts_TxK, num_experts)
+    dest_R = experts_TxK.reshape(-1)[order_R] // local
+    per_dest_P = sizes_E.reshape(P, local).sum(axis=1)
+    slot_R = jnp.arange(R, dtype=jnp.int32) - (jnp.cumsum(per_dest_P) - per_dest_P)[dest_R]
+    send_PxRxD = jnp.zeros((P, R) + x_TxD.shape[1:], x_TxD.dtype).at[dest_R, slot_R].set(
+        rows_RxD)
+    recv_PxRxD = comm.all_to_all(send_PxRxD, axis, dispatch_format)
+    counts_PxL = jax.lax.all_to_all(sizes_E.reshape(P, local), axis, 0, 0)  # [source, expert]
+
+    sizes_L = counts_PxL.sum(axis=0)
+    ends_PxL = jnp.cumsum(counts_PxL, axis=1)
+    j_R = jnp.arange(R, dtype=jnp.int32)
+    expert_PxR = jnp.minimum(jax.vmap(lambda e: jnp.searchsorted(e, j_R, side="right"))(
+        ends_PxL), local - 1)
+    earlier_PxL = jnp.cumsum(counts_PxL, axis=0) - counts_PxL  # from sources before
+    first_PxL = (jnp.cumsum(sizes_L) - sizes_L)[None] + earlier_PxL - (ends_PxL - counts_PxL)
+    valid_PxR = j_R[None] < ends_PxL[:, -1:]
+    target_PxR = jnp.where(valid_PxR, jnp.take_along_axis(first_PxL, expert_PxR, 1) + j_R,
+                           P * R)
+    rows_MxD = jnp.zeros((P * R,) + x_TxD.shape[1:], x_TxD.dtype).at[
+        target_PxR.reshape(-1)].set(recv_PxRxD.reshape((P * R,) + x_TxD.shape[1:]),
+                                    mode="drop")
+    y_MxN = expert_fn(rows_MxD, sizes_L)
+    back_PxRxN = jnp.where(valid_PxR[..., None], y_MxN[jnp.minimum(target_PxR, P * R - 1)], 0)
+    home_PxRxN = jax.lax.all_to_all(back_PxRxN, axis, 0, 0)
+    return combine(home_PxRxN[dest_R, slot_R], order_R, weights_TxK)

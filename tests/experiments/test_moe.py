@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp4lab
 from experiments import moe
 from experiments.model import HybridLM, ModelConfig
 from fp4lab.flax import quantize_model
@@ -159,3 +160,106 @@ def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
         assert float(metrics["moe_load_max"]) == pytest.approx(np.mean(shares), rel=1e-6)
         assert float(metrics["moe_load_min"]) == pytest.approx(np.mean(least), rel=1e-6)
     assert np.abs(got).max() > rate  # moved more than once
+
+
+E, K, T, D, F, DEVICES = 8, 2, 32, 64, 64, 4
+
+
+def _layer(x, router, w_up, w_down, expert_fn_of):
+    weights, experts, _ = moe.route(x.astype(jnp.float32) @ router, K, "softmax")
+    return experts, weights, expert_fn_of(w_up, w_down)
+
+
+def _experts(recipe):
+    def of(w_up, w_down):
+        def fn(rows, sizes):
+            h = fp4lab.qragged_dot(rows, w_up, sizes, recipe)
+            return fp4lab.qragged_dot(jnp.square(jax.nn.relu(h)), w_down, sizes, recipe)
+        return fn
+    return of
+
+
+def _moe_grads(recipe, dispatch_format=None, parallel=True):
+    """The layer's output and gradients (x, router, up, down) of sum(y * c), on one device or
+    with its experts over DEVICES devices (``expert_parallel``), and the compiled program."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    rng = np.random.default_rng(4)
+    args = (jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16),
+            jnp.asarray(rng.normal(size=(D, E)), jnp.float32),
+            jnp.asarray(rng.normal(size=(E, D, F)) / 8, jnp.bfloat16),
+            jnp.asarray(rng.normal(size=(E, F, D)) / 8, jnp.bfloat16))
+    c = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+
+    def one(x, router, w_up, w_down):
+        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe))
+        rows, sizes, order = moe.dispatch(x, experts, E)
+        return moe.combine(fn(rows, sizes), order, weights)
+
+    def local(x, router, w_up, w_down):
+        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe))
+        return moe.expert_parallel(x, experts, weights, fn, E, "expert", dispatch_format)
+
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("expert",))
+    layer = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P("expert"),
+                                                      P("expert")),
+                          out_specs=P("expert")) if parallel else one
+
+    def loss(*a):
+        y = layer(*a)
+        return jnp.sum(y * c), y
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, y), grads = f(*args)
+    lowered = f.lower(*args)
+    return y, grads, (lowered.as_text(), lowered.compile().as_text())
+
+
+def _bits(a):
+    a = np.asarray(a, np.float32)
+    return a.view(np.uint32)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4_no_sr", "mxfp8"])
+def test_expert_parallel_equals_the_one_device_layer(recipe):
+    """Experts over 4 CPU devices (all-to-all dispatch and return): each expert gets the
+    one-device layer's rows in the same order, so the output, dX and each expert's weight
+    gradient are equal bit for bit (NVFP4: each expert's per-tensor scale is its own); the
+    router's gradient, a sum over every device's tokens, within float32 rounding."""
+    (y1, g1, _), (yp, gp, hlo) = (_moe_grads(recipe, parallel=p) for p in (False, True))
+    np.testing.assert_array_equal(_bits(yp), _bits(y1))
+    for name, a, b in zip(("dx", "drouter", "dup", "ddown"), gp, g1, strict=True):
+        if name == "drouter":
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
+    from hlo import collectives, moving
+
+    assert moving(collectives(hlo[1]))["all-to-all"] >= 4  # rows, outputs; forward, back
+
+
+def test_an_mxfp8_dispatch_sends_about_half_the_bytes_and_changes_nothing_under_mxfp8():
+    """MXFP8 rows on the wire (E4M3 elements, an E8M0 scale per 32; the backward in BF16):
+    the program's forward all-to-alls send what fp4lab.beyond.dispatch.payload_bytes says
+    less than BF16 rows. Under the mxfp8 recipe the experts quantize the rows they get to
+    the same values (MX quantization is idempotent), so the output and dX equal the BF16
+    dispatch's bit for bit, and the weight gradients nearly (their wgrad X operand is
+    quantized along the tokens from rows already rounded to three mantissa bits: equal here,
+    but not by construction); an MXFP4 dispatch changes the output."""
+    from fp4lab.beyond.dispatch import payload_bytes
+    from hlo import stablehlo_moved_bytes
+
+    (y0, g0, hlo0), (y8, g8, hlo8) = (_moe_grads("mxfp8", f) for f in (None, "mxfp8"))
+    np.testing.assert_array_equal(_bits(y8), _bits(y0))
+    np.testing.assert_array_equal(_bits(g8[0]), _bits(g0[0]))
+    for a, b in zip(g8[2:], g0[2:], strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=1e-2)
+    slots = DEVICES * (T // DEVICES) * K  # each device's send buffer: (DEVICES, T/P * k, D)
+    saved = payload_bytes(slots, D, None) - payload_bytes(slots, D, "mxfp8")
+    assert saved == slots * D - slots * D // 32  # 1 + 1/32 bytes a value, not 2
+    assert stablehlo_moved_bytes(hlo0[0]) - stablehlo_moved_bytes(hlo8[0]) == saved
+    y4, _, _ = _moe_grads("mxfp8", "mxfp4")
+    assert not np.array_equal(_bits(y4), _bits(y0))
+    with pytest.raises(ValueError, match="dispatch format 'nvfp4' has a per-tensor scale"):
+        payload_bytes(4, 32, "nvfp4")
