@@ -33,29 +33,6 @@ def scalar(counts: Counter) -> Counter:
     return Counter({kind: n for (kind, s), n in counts.items() if s})
 
 
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-          "s8": 1, "u8": 1, "pred": 1, "s4": 0.5, "u4": 0.5}
-_TYPED = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def moved_bytes(hlo: str, kind: str) -> int:
-    """The bytes the ``kind`` collectives of ``hlo`` return, summed (an FP8 or E8M0 element
-    is a byte)."""
-    total = 0
-    for m in _OP.finditer(hlo):
-        if m.group("kind") != kind:
-            continue
-        for dtype, dims in _TYPED.findall(m.group("shape")):
-            size = _BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
-            if size is None:
-                raise ValueError(f"moved_bytes: element type {dtype!r} of {kind}")
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            total += n * size
-    return int(total)
-
-
 _TENSOR = re.compile(r"->\s*tensor<((?:\d+x)*)(\w+)>")
 _STABLEHLO_BYTES = {"f64": 8, "i64": 8, "ui64": 8, "f32": 4, "i32": 4, "ui32": 4, "bf16": 2,
                     "f16": 2, "i16": 2, "ui16": 2, "i8": 1, "ui8": 1, "i1": 1}
@@ -63,8 +40,8 @@ _STABLEHLO_BYTES = {"f64": 8, "i64": 8, "ui64": 8, "f32": 4, "i32": 4, "ui32": 4
 
 def stablehlo_moved_bytes(text: str, op: str = "all_to_all") -> int:
     """The bytes the ``stablehlo.<op>`` operations of a lowered program return, summed: what
-    the program sends, before a backend widens narrow types for its collectives (XLA:CPU
-    moves BF16 as float32 and FP8 as float16)."""
+    the program sends, before a backend widens narrow types for its collectives (XLA:CPU's
+    compiled all-to-alls move BF16 as float32 and FP8 as float16)."""
     total = 0.0
     for line in text.splitlines():
         if f'"stablehlo.{op}"' not in line:
