@@ -15,12 +15,14 @@ loss.
   value, as Megatron-Core's ``MoEAuxLossAutoScaler`` does.
 * :class:`ExpertLoads`: each MoE block's loads, observed from every training step's forward
   (through :func:`observe_load`, summed over the replicas) and logged, and DeepSeek-V3's
-  auxiliary-loss-free balancing by them. Each MoE block's
-  ``router_bias`` (one float32 per expert) is added to the scores for the choice of experts
-  only; after each step the trainer moves it by ``model.moe_bias_rate`` towards the mean
-  load: ``b_e += rate * sign(mean_load - load_e)`` (Megatron-Core's
-  ``get_updated_expert_bias``); the optimizer leaves it alone
-  (:func:`freeze_router_biases`).
+  auxiliary-loss-free balancing by them: each block's ``router_bias`` (one float32 per
+  expert) is added to the scores for the choice of experts only, and after each step the
+  trainer moves it by ``model.moe_bias_rate`` towards the mean load, ``b_e += rate *
+  sign(mean_load - load_e)`` (Megatron-Core's ``get_updated_expert_bias``); the optimizer
+  leaves it alone (:func:`freeze_router_biases`).
+* :func:`expert_parallel`: the experts over the devices of a mesh axis, with all-to-all
+  dispatch (optionally quantized: ``fp4lab.beyond.dispatch``) and return; each expert sees
+  the one-device layer's rows in the same order.
 """
 
 from __future__ import annotations
