@@ -29,7 +29,10 @@ backward pass with weight ``moe_aux_loss``; ``moe_bias_rate`` > 0 balances the l
 DeepSeek-V3's auxiliary-loss-free rule instead or as well: a per-expert ``router_bias``
 parameter added to the scores for the choice of experts only (the weights are the unbiased
 scores), moved by the trainer after each step by ``moe_bias_rate`` towards the mean load
-(``experiments.moe.ExpertLoads``; no gradient or optimizer touches it). ``moe_shared``
+(``experiments.moe.ExpertLoads``; no gradient or optimizer touches it). ``moe_dispatch``
+(a format: ``mxfp8``, ``mxfp4``, ``bf16``) rounds the dispatched rows as an expert-parallel
+all-to-all in that format would deliver them (``fp4lab.beyond.dispatch``: forward only).
+``moe_shared``
 adds a shared expert (an MLP of the experts' width on every token); ``moe_latent`` > 0
 makes it a LatentMoE (Nemotron 3):
 the tokens projected down to that width before routing and dispatch, the experts working
@@ -80,6 +83,7 @@ from flax import linen as nn
 
 from experiments import moe
 from experiments.moe import ROUTER_SCORES
+from fp4lab.beyond.dispatch import check_dispatch_format, dispatched
 
 __all__ = ["ModelConfig", "HybridLM", "BLOCK_KINDS", "recurrent_scan", "ssm_combine"]
 
@@ -184,6 +188,7 @@ class ModelConfig:
     moe_shared: bool = False
     moe_latent: int = 0
     moe_bias_rate: float = 0.0
+    moe_dispatch: str = ""
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -217,6 +222,8 @@ class ModelConfig:
         for name in ("moe_hidden", "moe_latent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.moe_dispatch:
+            check_dispatch_format(self.moe_dispatch)  # raises, naming the format
         for name in ("moe_aux_loss", "moe_bias_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -435,6 +442,8 @@ class MoE(nn.Module):
         z_TxZ = _dense(cfg.moe_latent, "latent_down", dtype)(x_TxD) if cfg.moe_latent else x_TxD
         hidden = cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
         rows_RxZ, sizes_E, order_R = moe.dispatch(z_TxZ, experts_TxK, cfg.moe_experts)
+        if cfg.moe_dispatch:  # the rows as an expert-parallel dispatch in that format sends them
+            rows_RxZ = dispatched(rows_RxZ, cfg.moe_dispatch)
         y_RxZ = Experts(cfg, hidden, name="experts")(rows_RxZ, sizes_E)
         y_TxD = moe.combine(y_RxZ, order_R, weights_TxK).astype(dtype)
         if cfg.moe_latent:

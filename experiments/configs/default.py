@@ -28,10 +28,11 @@ def get_config() -> ml_collections.ConfigDict:
         # MoE blocks (E): experts, top-k, expert width (0: mlp_mult * d_model / top_k),
         # softmax | sigmoid scores, the router GEMM's dtype, the load-balancing loss's weight,
         # a shared expert, a LatentMoE width (0: off), DeepSeek-V3's bias-update rate for
-        # auxiliary-loss-free balancing (0: off; DeepSeek-V3: 0.001); experiments/model.py
+        # auxiliary-loss-free balancing (0: off; DeepSeek-V3: 0.001), the format the
+        # dispatched rows are sent in ("" = as they are; mxfp8 as torchao); experiments/model.py
         moe_experts=8, moe_top_k=2, moe_hidden=0, moe_router="softmax",
         moe_router_dtype="float32", moe_aux_loss=0.01, moe_shared=False, moe_latent=0,
-        moe_bias_rate=0.0))
+        moe_bias_rate=0.0, moe_dispatch=""))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources

@@ -7,8 +7,9 @@ model width) forward, the backward's cotangent in its own precision; recent 671B
 sends MXFP4. :func:`all_to_all` is ``jax.lax.all_to_all`` (``tiled=False``) with that
 forward, for any fp4lab format whose scales travel with their rows: block and channel
 formats along the last axis, and pass-through casts (``bf16``). A per-tensor scale
-(NVFP4's, per-tensor FP8) would be the sender's and is refused. :func:`payload_bytes` is what
-one send of such rows weighs.
+(NVFP4's, per-tensor FP8) would be the sender's and is refused. :func:`dispatched` gives the
+same numerics on one device (a model studies the dispatch's precision without a mesh), and
+:func:`payload_bytes` is what one send of such rows weighs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from fp4lab.numerics.formats import Format, get_format
 from fp4lab.numerics.quantize import cast, dequantize, quantize
 
-__all__ = ["all_to_all", "payload_bytes", "check_dispatch_format"]
+__all__ = ["all_to_all", "dispatched", "payload_bytes", "check_dispatch_format"]
 
 
 def check_dispatch_format(fmt: str | Format | None) -> Format | None:
@@ -53,8 +54,10 @@ def payload_bytes(rows: int, width: int, fmt: str | Format | None, dtype=jnp.bfl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _quantized_all_to_all(x, axis_name, fmt: Format, split_axis: int, concat_axis: int):
-    move = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=split_axis,
-                             concat_axis=concat_axis)
+    def move(t):  # no axis: one device, where the rows arrive as they were sent
+        return t if axis_name is None else jax.lax.all_to_all(
+            t, axis_name, split_axis=split_axis, concat_axis=concat_axis)
+
     if fmt.is_passthrough:
         return move(cast(x, fmt, "nearest", None)).astype(x.dtype)
     q = quantize(x, fmt, axis=-1)
@@ -67,6 +70,8 @@ def _fwd(x, axis_name, fmt, split_axis, concat_axis):
 
 
 def _bwd(axis_name, fmt, split_axis, concat_axis, _, g):
+    if axis_name is None:
+        return (g,)
     # the transpose of an all-to-all is the all-to-all that sends every block back
     return (jax.lax.all_to_all(g, axis_name, split_axis=concat_axis, concat_axis=split_axis),)
 
@@ -85,3 +90,12 @@ def all_to_all(x: jax.Array, axis_name, fmt: str | Format | None = None, *,
     if split_axis == x.ndim - 1 or concat_axis == x.ndim - 1:
         raise ValueError("a quantized all_to_all keeps the last axis (the blocks' axis) whole")
     return _quantized_all_to_all(x, axis_name, f, split_axis, concat_axis)
+
+
+def dispatched(x: jax.Array, fmt: str | Format | None) -> jax.Array:
+    """The rows ``x`` as a dispatch in ``fmt`` delivers them (:func:`all_to_all`'s numerics
+    on one device: quantized and dequantized along the last axis forward, the cotangent
+    passed through): what a one-device model trains with to study the dispatch's
+    precision."""
+    f = check_dispatch_format(fmt)
+    return x if f is None else _quantized_all_to_all(x, None, f, 0, 0)

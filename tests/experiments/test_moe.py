@@ -117,6 +117,8 @@ def test_bad_moe_configs():
         ModelConfig(moe_latent=-1)
     with pytest.raises(ValueError, match="moe_bias_rate=-0.001 must be >= 0"):
         ModelConfig(moe_bias_rate=-0.001)
+    with pytest.raises(ValueError, match="dispatch format 'nvfp4' has a per-tensor scale"):
+        ModelConfig(moe_dispatch="nvfp4")
 
 
 def test_the_step_moves_each_routing_bias_towards_the_mean_load(tiny, text):
@@ -181,8 +183,11 @@ def _experts(recipe):
 
 def _moe_grads(recipe, dispatch_format=None, parallel=True):
     """The layer's output and gradients (x, router, up, down) of sum(y * c), on one device or
-    with its experts over DEVICES devices (``expert_parallel``), and the compiled program."""
+    with its experts over DEVICES devices (``expert_parallel``), and the program (lowered,
+    compiled)."""
     from jax.sharding import Mesh, PartitionSpec as P
+
+    from fp4lab.beyond.dispatch import dispatched
 
     rng = np.random.default_rng(4)
     args = (jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16),
@@ -194,6 +199,7 @@ def _moe_grads(recipe, dispatch_format=None, parallel=True):
     def one(x, router, w_up, w_down):
         experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe))
         rows, sizes, order = moe.dispatch(x, experts, E)
+        rows = dispatched(rows, dispatch_format)  # what the all-to-all delivers
         return moe.combine(fn(rows, sizes), order, weights)
 
     def local(x, router, w_up, w_down):
@@ -220,13 +226,16 @@ def _bits(a):
     return a.view(np.uint32)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4_no_sr", "mxfp8"])
-def test_expert_parallel_equals_the_one_device_layer(recipe):
+@pytest.mark.parametrize("recipe, dispatch", [("nvfp4_no_sr", None), ("mxfp8", "mxfp4")])
+def test_expert_parallel_equals_the_one_device_layer(recipe, dispatch):
     """Experts over 4 CPU devices (all-to-all dispatch and return): each expert gets the
     one-device layer's rows in the same order, so the output, dX and each expert's weight
     gradient are equal bit for bit (NVFP4: each expert's per-tensor scale is its own); the
-    router's gradient, a sum over every device's tokens, within float32 rounding."""
-    (y1, g1, _), (yp, gp, hlo) = (_moe_grads(recipe, parallel=p) for p in (False, True))
+    router's gradient, a sum over every device's tokens, within float32 rounding. An MXFP4
+    dispatch delivers what ``dispatched`` gives the one-device layer (the model's
+    ``moe_dispatch``)."""
+    (y1, g1, _), (yp, gp, hlo) = (_moe_grads(recipe, dispatch, parallel=p)
+                                  for p in (False, True))
     np.testing.assert_array_equal(_bits(yp), _bits(y1))
     for name, a, b in zip(("dx", "drouter", "dup", "ddown"), gp, g1, strict=True):
         if name == "drouter":
