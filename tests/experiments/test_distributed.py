@@ -119,7 +119,8 @@ def processes(tmp_path):
 
 def train_args(workdir: Path, corpus_dir, cache: str) -> list[str]:
     return ["--config", "tiny", "--workdir", str(workdir), f"data.paths=('{corpus_dir}',)",
-            f"compile_cache={cache}", "probes.every=0", "train.ckpt_every=0", "train.steps=8"]
+            f"compile_cache={cache}", "probes.every=0", "train.ckpt_every=0", "train.steps=8",
+            "model.pattern=-"]  # one MLP block: the test is the processes' protocol
 
 
 def distributed(num_processes: int, process_id: int, port: int) -> list[str]:

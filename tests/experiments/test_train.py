@@ -37,6 +37,7 @@ def test_an_interrupted_run_resumes_bit_exactly(tiny, token_dirs, tmp_path, monk
                 policy)
     tiny.precision.policy = f"file:{policy}"
     tiny.train.optimizer, tiny.train.lr = "muon", 1e-2  # (at 3e-3 it learns 0.46 nats here)
+    tiny.model.pattern = "-"  # one MLP block (delayed FP8) and the head (NVFP4, SR)
     tiny.data.tokens = str(token_dirs / "llmc" / "train.bin")
     assert load_data(tiny.data).train.max() >= 256  # ids above the byte vocabulary
     full = train(tiny, tmp_path / "llmc", progress=False)
