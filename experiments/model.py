@@ -32,12 +32,10 @@ scores), moved by the trainer after each step by ``moe_bias_rate`` towards the m
 (``experiments.moe.ExpertLoads``; no gradient or optimizer touches it). ``moe_dispatch``
 (a format: ``mxfp8``, ``mxfp4``, ``bf16``) rounds the dispatched rows as an expert-parallel
 all-to-all in that format would deliver them (``fp4lab.beyond.dispatch``: forward only).
-``moe_shared``
-adds a shared expert (an MLP of the experts' width on every token); ``moe_latent`` > 0
-makes it a LatentMoE (Nemotron 3):
-the tokens projected down to that width before routing and dispatch, the experts working
-there, the combined output projected back up (the router and shared expert see the full
-width). The experts' width ``moe_hidden`` defaults to ``mlp_mult * d / moe_top_k``, so a
+``moe_shared`` adds a shared expert (an MLP of the experts' width on every token);
+``moe_latent`` > 0 makes it a LatentMoE (Nemotron 3): the tokens projected down to that width
+before routing and dispatch, the experts working there, the combined output projected back
+up (the router and shared expert see the full width). The experts' width ``moe_hidden`` defaults to ``mlp_mult * d / moe_top_k``, so a
 token's active expert parameters match a dense MLP's.
 
 Mamba-2 block: ``in_proj`` to (z, x, B, C, delta); a short causal depthwise convolution and
