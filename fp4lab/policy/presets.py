@@ -19,7 +19,7 @@ _ENDS_IN_BF16 = (
                  r"logits?)(?:_\d+)?(?:/.*)?"))
 # an expert stack: a grouped GEMM (jax.lax.ragged_dot, intercepted) or a layer inside a
 # module named experts (an expert written as Linen/NNX layers)
-_EXPERTS = (r"(?i)(?:.*/)?experts?(?:_\d+)?/.*",)
+_EXPERT_LAYERS = r"(?i)(?:.*/)?experts?(?:_\d+)?/.*"
 
 # name -> (the experts' recipe, every other GEMM's recipe, whom it follows). Routers keep
 # their own precision in all of them (no rule names one: fp4lab.policy.rules.ROUTER_PATTERN)
@@ -46,8 +46,7 @@ def moe_preset(name: str, experts: str | Recipe | None = None,
     rules = (*_ENDS_IN_BF16,
              Rule(name="expert stacks (grouped GEMMs)", recipe=experts, kind="lax.ragged_dot",
                   required=False),
-             *(Rule(name="expert layers", recipe=experts, pattern=p, required=False)
-               for p in _EXPERTS))
+             Rule(name="expert layers", recipe=experts, pattern=_EXPERT_LAYERS, required=False))
     return PrecisionPolicy(rules=rules, default=default, name=_variant(
         name, experts=(experts, want_experts), default=(default, want_default)))
 
