@@ -53,12 +53,13 @@ from fp4lab.gemm.state import GemmState, as_gemm_state, check_gemm_state
 __all__ = ["qragged_dot", "expert_keys"]
 
 
-def expert_keys(key, groups: int):
-    """The key of each expert's GEMM: ``jax.random.fold_in(key, e)`` for ``e`` in
-    ``range(groups)``, stacked (None for None)."""
+def expert_keys(key, groups: int, first=0):
+    """The key of each expert's GEMM: ``jax.random.fold_in(key, e)`` for the experts ``e`` in
+    ``first, ..., first + groups - 1``, stacked (None for None)."""
     if key is None:
         return None
-    return jax.vmap(lambda e: jax.random.fold_in(key, e))(jnp.arange(groups, dtype=jnp.uint32))
+    experts = jnp.arange(groups, dtype=jnp.uint32) + jnp.asarray(first, jnp.uint32)
+    return jax.vmap(lambda e: jax.random.fold_in(key, e))(experts)
 
 
 def _slots(group_sizes, m: int, capacity: int):
@@ -127,7 +128,8 @@ def _check(lhs, rhs, group_sizes, capacity):
     return int(capacity)
 
 
-def _expert_state(recipe: Recipe, state, groups: int, k: int, backend: str) -> GemmState:
+def _expert_state(recipe: Recipe, state, groups: int, k: int, backend: str,
+                  first=0) -> GemmState:
     """``state`` with the key split per expert, each stacked field checked per expert."""
     key, probe, history, channels = as_gemm_state(state)
     for name, t in (("probe", probe), ("amax_history", history), ("channels", channels)):
@@ -139,7 +141,7 @@ def _expert_state(recipe: Recipe, state, groups: int, k: int, backend: str) -> G
         key, each(probe, e), each(history, e), each(channels, e)), backend)
         for e in range(groups)]
     stack = lambda *a: None if a[0] is None else jnp.stack(a)  # noqa: E731
-    return GemmState(expert_keys(key, groups), probe,
+    return GemmState(expert_keys(key, groups, first), probe,
                      stack(*(c.amax_history for c in checked)),
                      stack(*(c.channels for c in checked)))
 
@@ -160,8 +162,8 @@ def _grouped(lhs, rhs, group_sizes, state, *, recipe, out_dtype, backend, capaci
 
 
 def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None, *,
-                capacity: int | None = None, backend: str = "auto", precision=None,
-                preferred_element_type=None):
+                capacity: int | None = None, first_expert=0, backend: str = "auto",
+                precision=None, preferred_element_type=None):
     """``jax.lax.ragged_dot`` whose training GEMMs follow ``recipe``, expert by expert.
 
     Args:
@@ -177,6 +179,9 @@ def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None
       capacity: the most rows one expert receives (static; default ``M``). Rows beyond it
         give NaN. Memory and time grow with ``G * capacity``; a top-k router over ``T``
         tokens sends at most ``T`` rows to an expert.
+      first_expert: the index of ``rhs[0]`` in the whole expert stack (an int or a traced
+        scalar), where ``rhs`` is one device's share of it (expert parallelism): expert ``e``
+        here draws with ``fold_in(key, first_expert + e)``, the bits it draws on one device.
       backend: as :func:`fp4lab.qdot_general`'s.
       precision: accepted for drop-in compatibility (the recipe decides the arithmetic).
       preferred_element_type: output dtype (default: the operands' result type).
@@ -186,7 +191,7 @@ def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None
     recipe = get_recipe(recipe)
     capacity = _check(lhs, rhs, group_sizes, capacity)
     groups, k = jnp.shape(rhs)[0], jnp.shape(rhs)[1]
-    state = _expert_state(recipe, state, groups, k, backend)
+    state = _expert_state(recipe, state, groups, k, backend, first_expert)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     return _grouped(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes), state,
                     recipe=recipe, out_dtype=out_dtype, backend=backend, capacity=capacity)

@@ -172,11 +172,17 @@ def _layer(x, router, w_up, w_down, expert_fn_of):
     return experts, weights, expert_fn_of(w_up, w_down)
 
 
-def _experts(recipe):
+def _experts(recipe, parallel):
+    key = jax.random.key(9) if fp4lab.get_recipe(recipe).needs_key else None
+
     def of(w_up, w_down):
+        first = jax.lax.axis_index("expert") * (E // DEVICES) if parallel else 0
+
         def fn(rows, sizes):
-            h = fp4lab.qragged_dot(rows, w_up, sizes, recipe)
-            return fp4lab.qragged_dot(jnp.square(jax.nn.relu(h)), w_down, sizes, recipe)
+            keys = (None, None) if key is None else jax.random.split(key)
+            h = fp4lab.qragged_dot(rows, w_up, sizes, recipe, keys[0], first_expert=first)
+            return fp4lab.qragged_dot(jnp.square(jax.nn.relu(h)), w_down, sizes, recipe,
+                                      keys[1], first_expert=first)
         return fn
     return of
 
@@ -197,13 +203,13 @@ def _moe_grads(recipe, dispatch_format=None, parallel=True):
     c = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
 
     def one(x, router, w_up, w_down):
-        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe))
+        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe, False))
         rows, sizes, order = moe.dispatch(x, experts, E)
         rows = dispatched(rows, dispatch_format)  # what the all-to-all delivers
         return moe.combine(fn(rows, sizes), order, weights)
 
     def local(x, router, w_up, w_down):
-        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe))
+        experts, weights, fn = _layer(x, router, w_up, w_down, _experts(recipe, True))
         return moe.expert_parallel(x, experts, weights, fn, E, "expert", dispatch_format)
 
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("expert",))
@@ -226,12 +232,13 @@ def _bits(a):
     return a.view(np.uint32)
 
 
-@pytest.mark.parametrize("recipe, dispatch", [("nvfp4_no_sr", None), ("mxfp8", "mxfp4")])
+@pytest.mark.parametrize("recipe, dispatch", [("nvfp4", None), ("mxfp8", "mxfp4")])
 def test_expert_parallel_equals_the_one_device_layer(recipe, dispatch):
     """Experts over 4 CPU devices (all-to-all dispatch and return): each expert gets the
     one-device layer's rows in the same order, so the output, dX and each expert's weight
-    gradient are equal bit for bit (NVFP4: each expert's per-tensor scale is its own); the
-    router's gradient, a sum over every device's tokens, within float32 rounding. An MXFP4
+    gradient are equal bit for bit (NVFP4: each expert's per-tensor scale is its own, and
+    with ``first_expert`` each expert draws its SR bits as on one device); the router's
+    gradient, a sum over every device's tokens, within float32 rounding. An MXFP4
     dispatch delivers what ``dispatched`` gives the one-device layer (the model's
     ``moe_dispatch``)."""
     (y1, g1, _), (yp, gp, hlo) = (_moe_grads(recipe, dispatch, parallel=p)
