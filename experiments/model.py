@@ -32,7 +32,10 @@ scores), moved by the trainer after each step by ``moe_bias_rate`` towards the m
 (``experiments.moe.ExpertLoads``; no gradient or optimizer touches it). ``moe_dispatch``
 (a format: ``mxfp8``, ``mxfp4``, ``bf16``) rounds the dispatched rows as an expert-parallel
 all-to-all in that format would deliver them (``fp4lab.beyond.dispatch``: forward only).
-``moe_shared`` adds a shared expert (an MLP of the experts' width on every token);
+``moe_parallel`` splits the experts over the devices (expert parallelism, with the
+data-parallel devices: ``experiments.moe.experts_over_devices``), the rows going to their
+expert's device and back by all-to-all, and ``moe_dispatch`` then quantizes the real
+all-to-all. ``moe_shared`` adds a shared expert (an MLP of the experts' width on every token);
 ``moe_latent`` > 0 makes it a LatentMoE (Nemotron 3): the tokens projected down to that width
 before routing and dispatch, the experts working there, the combined output projected back
 up (the router and shared expert see the full width). The experts' width ``moe_hidden`` defaults to ``mlp_mult * d / moe_top_k``, so a
@@ -187,6 +190,9 @@ class ModelConfig:
     moe_latent: int = 0
     moe_bias_rate: float = 0.0
     moe_dispatch: str = ""
+    # expert parallelism: the experts split over every device (the data-parallel ones),
+    # all-to-all dispatch and return (in moe_dispatch's format, if set)
+    moe_parallel: bool = False
 
     def __post_init__(self):
         bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -406,21 +412,37 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """``moe_experts`` expert MLPs (up, squared ReLU, down) on rows sorted by expert: two
-    ``jax.lax.ragged_dot`` calls on stacked float32 weights cast to the compute dtype."""
+    """``moe_experts`` expert MLPs (up, squared ReLU, down) on the tokens routed to them:
+    dispatched dropless into rows sorted by expert, two ``jax.lax.ragged_dot`` calls on
+    stacked float32 weights cast to the compute dtype, combined with the routing weights.
+    With ``moe_parallel`` the experts split over the devices (``moe.experts_over_devices``:
+    all-to-all dispatch and return, each expert's GEMMs bit for bit the one-device ones)."""
 
     cfg: ModelConfig
     hidden: int
 
     @nn.compact
-    def __call__(self, rows_RxD, sizes_E):
+    def __call__(self, z_TxZ, experts_TxK, weights_TxK):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        d, e = rows_RxD.shape[-1], cfg.moe_experts
+        d, e = z_TxZ.shape[-1], cfg.moe_experts
         init = nn.initializers.lecun_normal(batch_axis=(0,))  # per expert: fan-in d
-        up_ExDxF = self.param("up", init, (e, d, self.hidden))
-        down_ExFxD = self.param("down", init, (e, self.hidden, d))
-        h_RxF = jax.lax.ragged_dot(rows_RxD.astype(dtype), up_ExDxF.astype(dtype), sizes_E)
-        return jax.lax.ragged_dot(_relu2(h_RxF), down_ExFxD.astype(dtype), sizes_E)
+        stacks = (self.param("up", init, (e, d, self.hidden)),
+                  self.param("down", init, (e, self.hidden, d)))
+
+        def experts_of(up_ExDxF, down_ExFxD):
+            def experts(rows_RxZ, sizes_E):
+                h_RxF = jax.lax.ragged_dot(rows_RxZ.astype(dtype), up_ExDxF.astype(dtype),
+                                           sizes_E)
+                return jax.lax.ragged_dot(_relu2(h_RxF), down_ExFxD.astype(dtype), sizes_E)
+            return experts
+
+        if cfg.moe_parallel:
+            return moe.experts_over_devices(z_TxZ, experts_TxK, weights_TxK, stacks,
+                                            experts_of, e, cfg.moe_dispatch or None)
+        rows_RxZ, sizes_E, order_R = moe.dispatch(z_TxZ, experts_TxK, e)
+        if cfg.moe_dispatch:  # the rows as an expert-parallel dispatch in that format sends them
+            rows_RxZ = dispatched(rows_RxZ, cfg.moe_dispatch)
+        return moe.combine(experts_of(*stacks)(rows_RxZ, sizes_E), order_R, weights_TxK)
 
 
 class MoE(nn.Module):
@@ -439,11 +461,8 @@ class MoE(nn.Module):
                                                         cfg.moe_router, bias_E)
         z_TxZ = _dense(cfg.moe_latent, "latent_down", dtype)(x_TxD) if cfg.moe_latent else x_TxD
         hidden = cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
-        rows_RxZ, sizes_E, order_R = moe.dispatch(z_TxZ, experts_TxK, cfg.moe_experts)
-        if cfg.moe_dispatch:  # the rows as an expert-parallel dispatch in that format sends them
-            rows_RxZ = dispatched(rows_RxZ, cfg.moe_dispatch)
-        y_RxZ = Experts(cfg, hidden, name="experts")(rows_RxZ, sizes_E)
-        y_TxD = moe.combine(y_RxZ, order_R, weights_TxK).astype(dtype)
+        y_TxD = Experts(cfg, hidden, name="experts")(z_TxZ, experts_TxK, weights_TxK).astype(
+            dtype)
         if cfg.moe_latent:
             y_TxD = _dense(d, "latent_up", dtype)(y_TxD)
         if self.has_variable(moe.LOADS, "load"):  # the trainer observes the experts' loads

@@ -22,7 +22,9 @@ loss.
   leaves it alone (:func:`freeze_router_biases`).
 * :func:`expert_parallel`: the experts over the devices of a mesh axis, with all-to-all
   dispatch (optionally quantized: ``fp4lab.beyond.dispatch``) and return; each expert sees
-  the one-device layer's rows in the same order.
+  the one-device layer's rows in the same order; :func:`experts_over_devices` runs it under
+  ``jax.shard_map`` over every device, the expert stacks split over them (the hybrid LM's
+  ``moe_parallel``).
 """
 
 from __future__ import annotations
@@ -31,18 +33,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from fp4lab.features.protocol import Feature, Run, StepContext, Update
 
 __all__ = ["ROUTER_SCORES", "route", "dispatch", "combine", "balance_loss", "with_aux_loss",
            "BIAS", "LOADS", "expert_load", "observe_load", "ExpertLoads", "expert_parallel",
-           "freeze_router_biases"]
+           "experts_over_devices", "freeze_router_biases", "EXPERT_AXIS"]
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 BIAS = "router_bias"  # an MoE block's parameter of per-expert routing biases
 LOADS = "expert_load"  # the collection through which the trainer observes the loads
+# the mesh axis the experts split over: the trainer's data axis (experiments.setup.Placement),
+# as expert parallelism shares the data-parallel devices
+EXPERT_AXIS = "data"
 
 
 def route(logits_TxE, top_k: int, score: str, bias_E=None):
@@ -259,3 +267,29 @@ def expert_parallel(x_TxD, experts_TxK, weights_TxK, expert_fn, num_experts: int
     back_PxRxN = jnp.where(valid_PxR[..., None], y_MxN[jnp.minimum(target_PxR, P * R - 1)], 0)
     home_PxRxN = jax.lax.all_to_all(back_PxRxN, axis, 0, 0)
     return combine(home_PxRxN[dest_R, slot_R], order_R, weights_TxK)
+
+
+def experts_over_devices(x_TxD, experts_TxK, weights_TxK, stacks, expert_fn_of,
+                         num_experts: int, dispatch_format=None):
+    """:func:`expert_parallel` over every device (mesh axis :data:`EXPERT_AXIS`, the
+    devices in ``jax.devices()`` order, as the trainer's data parallelism lays them out),
+    under ``jax.shard_map``: the tokens (``x_TxD`` and their routing) and each expert stack
+    in ``stacks`` (leading axis: the experts) split over the devices in order;
+    ``expert_fn_of(*local_stacks)`` gives the ``expert_fn`` of a device's experts. Its
+    ``jax.lax.ragged_dot`` calls run under :func:`fp4lab.flax.experts_split_over`, so a
+    policy quantizes each expert as on one device."""
+    from fp4lab.flax import experts_split_over
+
+    def local(x, experts, weights, *local_stacks):
+        with experts_split_over(EXPERT_AXIS):
+            return expert_parallel(x, experts, weights, expert_fn_of(*local_stacks),
+                                   num_experts, EXPERT_AXIS, dispatch_format)
+
+    devices = jax.devices()
+    for what, n in (("tokens", x_TxD.shape[0]), ("experts", num_experts)):
+        if n % len(devices):
+            raise ValueError(f"expert parallelism: {n} {what} do not split over "
+                             f"{len(devices)} devices")
+    mesh, split = Mesh(np.array(devices), (EXPERT_AXIS,)), P(EXPERT_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split,) * (3 + len(stacks)),
+                         out_specs=split)(x_TxD, experts_TxK, weights_TxK, *stacks)

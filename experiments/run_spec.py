@@ -116,6 +116,11 @@ def check_config(config):
     if grad_reduce(config) is not None and config.probes.every:
         raise ValueError(f"train.grad_reduce={t.grad_reduce!r} computes per-replica gradients "
                          "and the probes measure the global step: set probes.every=0")
+    if config.model.moe_parallel and (grad_reduce(config) is not None or config.probes.every):
+        raise ValueError("model.moe_parallel=True (expert parallelism) runs with XLA's "
+                         "gradient all-reduce and no probes (an expert stack's probe spans "
+                         f"every device): it has train.grad_reduce={t.grad_reduce!r}, "
+                         f"probes.every={config.probes.every}")
 
 
 def check_data(config, data: TextData, n_devices: int):
@@ -128,6 +133,9 @@ def check_data(config, data: TextData, n_devices: int):
     if d.batch_size % n_devices:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by the "
                          f"{n_devices} devices (data parallelism splits the batch)")
+    if config.model.moe_parallel and config.model.moe_experts % n_devices:
+        raise ValueError(f"model.moe_experts={config.model.moe_experts} is not divisible by "
+                         f"the {n_devices} devices (model.moe_parallel splits the experts)")
     need = d.seq_len + 2
     if min(data.train.size, data.val.size) <= need:
         raise ValueError(f"data.seq_len={d.seq_len} does not fit the corpus ({data.train.size} "

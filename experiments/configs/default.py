@@ -29,10 +29,11 @@ def get_config() -> ml_collections.ConfigDict:
         # softmax | sigmoid scores, the router GEMM's dtype, the load-balancing loss's weight,
         # a shared expert, a LatentMoE width (0: off), DeepSeek-V3's bias-update rate for
         # auxiliary-loss-free balancing (0: off; DeepSeek-V3: 0.001), the format the
-        # dispatched rows are sent in ("" = as they are; mxfp8 as torchao); experiments/model.py
+        # dispatched rows are sent in ("" = as they are; mxfp8 as torchao), expert
+        # parallelism over the devices (all-to-all dispatch); experiments/model.py
         moe_experts=8, moe_top_k=2, moe_hidden=0, moe_router="softmax",
         moe_router_dtype="float32", moe_aux_loss=0.01, moe_shared=False, moe_latent=0,
-        moe_bias_rate=0.0, moe_dispatch=""))
+        moe_bias_rate=0.0, moe_dispatch="", moe_parallel=False))
 
     c.data = ml_collections.ConfigDict(dict(
         paths=(),  # files/folders of text; () = the Python standard library's sources

@@ -38,6 +38,11 @@ Linen blocks under ``nn.scan``/``nn.vmap`` whose ``variable_axes`` map ``"params
 layers stacked for a scan (on any axis: ``param_scan_axis`` metadata, else the leading ones),
 are the model's blocks; a depth rule that would split them is refused, and per-GEMM state
 (probes, amax histories) is stacked with them.
+
+Expert parallelism: a model that computes its experts inside ``jax.shard_map``, each device
+on its share of the expert stack, wraps those ``jax.lax.ragged_dot`` calls in
+:func:`experts_split_over` (the mesh axis), so that each expert's GEMMs are bit for bit the
+ones it runs on one device (its stochastic-rounding bits included).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's
 
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
-from fp4lab.flax.ops import NONE_FOUND, check_expert_recipe
+from fp4lab.flax.ops import NONE_FOUND, check_expert_recipe, experts_split_over
 from fp4lab.flax.nnx import (OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp,
                              probe_records)
 from fp4lab.policy import (EXPERT_KINDS, OP_KINDS, ExplainTable, PrecisionPolicy, check_unused,
@@ -63,7 +68,8 @@ from fp4lab.policy import explain as _explain
 
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
-           "explain", "assignments", "probe_records", "quantized_weights"]
+           "explain", "assignments", "probe_records", "quantized_weights",
+           "experts_split_over"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:

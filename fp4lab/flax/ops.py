@@ -12,6 +12,7 @@ traces it and however often it is called. The first operand plays X and the seco
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import threading
 
@@ -23,10 +24,12 @@ from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.gemm.grouped import qragged_dot
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe
+from fp4lab.gemm.state import as_gemm_state
 from fp4lab.policy.rules import EXPERT_KINDS
 
 __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
-           "trace_abstractly", "operand_w", "expert_count", "check_expert_recipe"]
+           "trace_abstractly", "operand_w", "expert_count", "check_expert_recipe",
+           "experts_split_over"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
@@ -223,15 +226,46 @@ def check_expert_recipe(op_path: str, kind: str, recipe: Recipe) -> None:
                              "a rule with another recipe for this expert stack")
 
 
+_EXPERT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fp4lab_expert_axis", default=None)
+
+
+@contextlib.contextmanager
+def experts_split_over(axis: str):
+    """Inside ``jax.shard_map``, while tracing: every intercepted ``jax.lax.ragged_dot``'s
+    expert stack (``rhs``) is this device's share of the whole stack, split over mesh axis
+    ``axis`` in order (device ``p`` holds experts ``p * G`` to ``(p + 1) * G - 1``). Its
+    experts then draw the stochastic-rounding bits they draw on one device
+    (:func:`fp4lab.qragged_dot`'s ``first_expert``), so expert parallelism changes no bit of
+    an expert's GEMMs. Probes of such a stack are refused: a probe is stacked over the whole
+    stack, outside the ``shard_map``."""
+    token = _EXPERT_AXIS.set(axis)
+    try:
+        yield
+    finally:
+        _EXPERT_AXIS.reset(token)
+
+
+def _ragged_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str):
+    lhs, rhs, sizes, out = _ragged_operands(op_path, args, kwargs)
+    axis, first = _EXPERT_AXIS.get(), 0
+    if axis is not None:
+        if as_gemm_state(state).probe is not None:
+            raise ValueError(f"op {op_path}: its expert stack is split over mesh axis "
+                             f"{axis!r} (expert parallelism), where fp4lab collects no "
+                             "probes; apply without the 'probes' collection")
+        first = jax.lax.axis_index(axis) * jnp.shape(rhs)[0]
+    return qragged_dot(lhs, rhs, sizes, recipe, state, first_expert=first, backend=backend,
+                       preferred_element_type=out)
+
+
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, state=None, *,
                    backend: str = "auto"):
     """An intercepted call through ``qeinsum`` / ``qdot_general`` / ``qragged_dot`` (first
     operand X, second W) with the GEMM's ``state`` (a
     :class:`~fp4lab.gemm.state.GemmState`); ``op_path`` names it in errors."""
     if kind == "lax.ragged_dot":
-        lhs, rhs, sizes, out = _ragged_operands(op_path, args, kwargs)
-        return qragged_dot(lhs, rhs, sizes, recipe, state, backend=backend,
-                           preferred_element_type=out)
+        return _ragged_call(op_path, recipe, args, kwargs, state, backend)
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
     if kind == "jnp.einsum":
         return qeinsum(*_einsum_operands(op_path, args), recipe, state, backend=backend, **kw)

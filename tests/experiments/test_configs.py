@@ -60,7 +60,7 @@ def test_the_configs_start_from_the_defaults_and_help_lists_every_key():
         return {line.split(" = ")[0].strip() for line in describe_keys(config).splitlines()}
 
     default = load_config("default")
-    assert len(keys(default)) == 81
+    assert len(keys(default)) == 82
     for name in ("tiny", "muon", "sweep_tiny", "beyond"):
         assert keys(load_config(name)) >= keys(default)
     text = keys_help()

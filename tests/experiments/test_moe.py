@@ -3,6 +3,8 @@ routing against NumPy, the dispatch and combine as a permutation, the load-balan
 its gradient, and the block in the model: parameter paths, causality, what ``nemotron3``
 assigns to each of its GEMMs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +281,68 @@ def test_an_mxfp8_dispatch_sends_about_half_the_bytes_and_changes_nothing_under_
     assert not np.array_equal(_bits(y4), _bits(y0))
     with pytest.raises(ValueError, match="dispatch format 'nvfp4' has a per-tensor scale"):
         payload_bytes(4, 32, "nvfp4")
+
+
+def test_the_hybrid_lm_trains_expert_parallel_with_the_one_device_numbers(tiny, text):
+    """model.moe_parallel: the experts split over the 8 test devices (all-to-all dispatch and
+    return in the compiled step; without it, none). Under NVFP4 with stochastic rounding the
+    training loss's gradients equal the data-parallel run's bit for bit, the experts' also
+    the one-device model's, and so do the logits; three trainer steps give the same losses
+    and loads, their parameters equal but for the rounding of the gradient's global norm
+    (a sum over the devices' shards of the expert stacks, in another order)."""
+    from hlo import collectives, moving
+
+    from experiments.run_spec import specify
+    from experiments.setup import build
+    from experiments.step import make_loss, make_step
+
+    tiny.model.pattern, tiny.model.moe_experts, tiny.probes.every = "E", 8, 0
+    tiny.precision.policy = "nvfp4"
+    runs = {}
+    for parallel in (False, True):
+        tiny.model.moe_parallel = parallel
+        setup = build(specify(tiny, text))
+        batches = [setup.place.put(text.batch(tiny.seed, t, tiny.data.batch_size,
+                                              tiny.data.seq_len)) for t in range(3)]
+        loss_fn = make_loss(setup.qmodel, 0.0)
+        grads = jax.jit(jax.grad(lambda p, t, w: loss_fn(p, {}, {}, t, w, jax.random.key(3))[
+            0]))(setup.state.params, *batches[0])
+        step = make_step(setup.qmodel, setup.tx, setup.sched, tiny.seed, 0.0, setup.features,
+                         setup.modes(setup.qmodel, 0))
+        hlo = step.func.lower(setup.state, *batches[0], **step.keywords).compile().as_text()
+        state, metrics, params0 = setup.state, [], jax.tree.map(np.asarray, setup.state.params)
+        for tokens, weights in batches:
+            state, m, _ = step(state, tokens, weights)
+            metrics.append((float(m["loss"]), float(m["moe_load_max"])))
+        runs[parallel] = (grads, hlo, metrics, jax.tree.map(np.asarray, state.params))
+    (g1, hlo1, m1, p1), (gp, hlop, mp, pp) = runs[False], runs[True]
+    assert moving(collectives(hlo1))["all-to-all"] == 0
+    assert moving(collectives(hlop))["all-to-all"] >= 3  # rows, counts, outputs (and back)
+    jax.tree.map(np.testing.assert_array_equal, g1, gp)
+    assert m1 == mp and m1[0][1] > 1
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(
+        a).max()), p1, pp)
+
+    tokens, weights = (np.asarray(a) for a in batches[0])
+    one = setup.qmodel.model.clone(cfg=dataclasses.replace(setup.qmodel.model.cfg,
+                                                           moe_parallel=False))
+    on_one = jax.device_put((params0, tokens, weights), jax.devices()[0])
+    one_grads = jax.jit(jax.grad(lambda p, t, w: make_loss(
+        dataclasses.replace(setup.qmodel, model=one), 0.0)(p, {}, {}, t, w, jax.random.key(3))[
+            0]))(*on_one)
+    experts = lambda g: g["blocks_0"]["moe"]["experts"]  # noqa: E731
+    jax.tree.map(np.testing.assert_array_equal, experts(one_grads), experts(gp))
+    logits = jax.jit(one.apply)({"params": on_one[0]}, on_one[1][:, :-1])[0]
+    split = jax.jit(setup.qmodel.model.apply)({"params": params0}, batches[0][0][:, :-1])[0]
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(logits))
+
+
+def test_expert_parallelism_refuses_what_it_cannot_run(tiny, text):
+    from experiments.run_spec import specify
+
+    tiny.model.pattern, tiny.model.moe_parallel = "E", True
+    with pytest.raises(ValueError, match=r"model.moe_parallel=True .* probes.every=6"):
+        specify(tiny, text)
+    tiny.probes.every, tiny.model.moe_experts = 0, 6
+    with pytest.raises(ValueError, match="model.moe_experts=6 is not divisible by the 8 "):
+        specify(tiny, text)

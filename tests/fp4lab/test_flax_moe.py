@@ -7,6 +7,7 @@ calls replaced by ``fp4lab.qragged_dot`` computes, gradients included."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -204,3 +205,76 @@ def test_expert_stacks_are_probed_per_expert_in_linen_and_nnx():
     records = fp4lab.flax.nnx.probe_records(nnx_model, grads)
     assert {f"ragged_dot_{i}/expert_{e}" for i in (0, 1) for e in range(E)} <= set(records)
     assert len(jax.tree.leaves(state)) == 2
+
+
+class LinenShardedExperts(nn.Module):
+    """The expert stacks split over mesh axis ``expert`` (``jax.shard_map``, each device its
+    run of experts), the rows replicated: each device computes its experts' rows (rolled to
+    the front) and a ``psum`` puts every expert's rows together, the intercepted
+    ``ragged_dot`` calls under ``experts_split_over``. Without a mesh: one device."""
+
+    mesh: object = None
+    split_over: bool = True  # False: the ragged_dot calls do not say that they are split
+
+    @nn.compact
+    def __call__(self, x):
+        from jax.sharding import PartitionSpec as P
+
+        init = nn.initializers.normal(0.1)
+        logits = nn.Dense(E, name="router", dtype=jnp.float32)(x)
+        rows, sizes, order, weights = _dispatch(x, logits, TOP_K, E)
+        stacks = (self.param("w_up", init, (E, D, HIDDEN)),
+                  self.param("w_down", init, (E, HIDDEN, D)))
+        ragged = lambda a, b, s: jax.lax.ragged_dot(a, b, s)  # noqa: E731
+        if self.mesh is None:
+            return _combine(_experts(rows, sizes, *stacks, ragged), order, weights)
+
+        def local(rows, sizes, w_up, w_down):
+            first = jax.lax.axis_index("expert") * w_up.shape[0]
+            offset = jnp.sum(jnp.where(jnp.arange(E) < first, sizes, 0))
+            mine = jax.lax.dynamic_slice(sizes, (first,), (w_up.shape[0],))
+            split = fp4lab.flax.experts_split_over if self.split_over else (
+                lambda _: contextlib.nullcontext())
+            with split("expert"):
+                y = _experts(jnp.roll(rows, -offset, 0), mine, w_up, w_down, ragged)
+            return jax.lax.psum(jnp.roll(y, offset, 0), "expert")
+
+        y = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P("expert"), P("expert")),
+                          out_specs=P())(rows, sizes, *stacks)
+        return _combine(y, order, weights)
+
+
+def test_experts_split_over_devices_compute_the_one_device_experts():
+    """``fp4lab.flax.experts_split_over``: with the expert stacks over 2 devices, NVFP4 with
+    stochastic rounding gives the one-device model's output and each expert's weight
+    gradients bit for bit, each expert drawing its one-device bits; without it the second
+    device's experts draw the first's bits and the weight gradients differ. A probe of a
+    split stack is refused by name."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    x = _x(6)
+    params = LinenShardedExperts().init(jax.random.key(2), x)
+    key = {"quant": jax.random.key(8)}
+
+    def grads(model):
+        qm = quantize_model(model, "nvfp4")
+        return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(qm.apply(
+            p, x, rngs=key) ** 2), argnums=(0, 1)))(params, x)
+
+    (y1, (g1, dx1)), (y2, (g2, dx2)), (_, (g3, _)) = (grads(LinenShardedExperts(*a)) for a in (
+        (), (mesh,), (mesh, False)))
+    assert y1 == y2
+    for name in ("w_up", "w_down"):
+        np.testing.assert_array_equal(g1["params"][name], g2["params"][name])
+        assert (g1["params"][name] != g3["params"][name]).any()  # other SR bits
+    # the router's and X's: the programs around the experts differ (psum, shard_map), and
+    # XLA reduces the routing weights' gradient in another order
+    for a, b in zip(jax.tree.leaves((g1["params"]["router"], dx1)),
+                    jax.tree.leaves((g2["params"]["router"], dx2)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(a).max())
+
+    with pytest.raises(ValueError, match=r"op ragged_dot_0: its expert stack is split over "
+                                         r"mesh axis 'expert'.*no probes"):
+        qm = quantize_model(LinenShardedExperts(mesh), "nvfp4")
+        qm.apply({**params, "probes": qm.probe_zeros(params, x)}, x, rngs=key)
