@@ -10,7 +10,8 @@ Importing this module (``import experiments`` does) registers, with
 * the sweep's names: ``nemotron3_no_mxfp8`` (Mamba out_proj left in NVFP4),
   ``nemotron3_no_tail`` (no BF16 last 15 %), ``nemotron3_latent_nvfp4`` (its LatentMoE's
   latent projections in NVFP4, not BF16), ``nvfp4_experts`` / ``nvfp4_mlp`` (NVFP4 on the
-  expert stacks / the dense MLPs only, the rest BF16);
+  expert stacks / the dense MLPs only, the rest BF16), ``nvfp4_experts_shared`` (as
+  ``nvfp4_experts``, one global scale per stack: ``nvfp4_shared_scale``);
 * ``<recipe>_bf16_first<k>`` / ``<recipe>_bf16_last<k>``: every layer in the recipe except
   those of the first / last ``k`` blocks, in BF16 (``nvfp4_bf16_last2``: the NVFP4 paper's
   ablation of which blocks to keep in high precision).
@@ -67,6 +68,10 @@ NAMED = {
     "nvfp4_experts": lambda: PrecisionPolicy(
         rules=(Rule(name="expert stacks", recipe="nvfp4", kind="lax.ragged_dot"),),
         default="bf16"),
+    # the same with one NVFP4 global scale per expert stack and operand, not one per expert
+    "nvfp4_experts_shared": lambda: PrecisionPolicy(
+        rules=(Rule(name="expert stacks", recipe="nvfp4_shared_scale",
+                    kind="lax.ragged_dot"),), default="bf16"),
     "nvfp4_mlp": lambda: PrecisionPolicy(
         rules=(Rule(name="MLP layers", recipe="nvfp4", pattern=r"(?:.*/)?mlp/\w+"),),
         default="bf16"),

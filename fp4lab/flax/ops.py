@@ -254,6 +254,10 @@ def _ragged_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str
             raise ValueError(f"op {op_path}: its expert stack is split over mesh axis "
                              f"{axis!r} (expert parallelism), where fp4lab collects no "
                              "probes; apply without the 'probes' collection")
+        if recipe.expert_scale == "shared":
+            raise ValueError(f"op {op_path}: recipe {recipe.name} shares one scale over the "
+                             f"expert stack, which is split over mesh axis {axis!r} "
+                             "(expert parallelism): each device would share its own")
         first = jax.lax.axis_index(axis) * jnp.shape(rhs)[0]
     return qragged_dot(lhs, rhs, sizes, recipe, state, first_expert=first, backend=backend,
                        preferred_element_type=out)

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4lab.gemm.operand_quant import STACK_AXIS
 from fp4lab.gemm.qdot import _check_operand, _composed
 from fp4lab.gemm.recipe import Recipe, get_recipe
 from fp4lab.gemm.state import GemmState, as_gemm_state, check_gemm_state
@@ -157,7 +158,7 @@ def _grouped(lhs, rhs, group_sizes, state, *, recipe, out_dtype, backend, capaci
 
     # each expert's own rows, for the probes (a slot's zeros are not the expert's)
     rows = jnp.minimum(group_sizes.astype(jnp.int32), capacity)
-    y = jax.vmap(one)(slots, rhs, state, rows)
+    y = jax.vmap(one, axis_name=STACK_AXIS)(slots, rhs, state, rows)
     return _combine(y, expert, pos, over)
 
 

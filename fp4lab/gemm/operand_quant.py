@@ -16,13 +16,17 @@ import jax.numpy as jnp
 from fp4lab.numerics import backend as _backend
 from fp4lab.features.delayed import history_amax
 from fp4lab.numerics.hadamard import random_signs, rht
+from fp4lab.numerics.rounding import abs_max
 from fp4lab.numerics.gemm_operands import GemmOperand, gemm_operand, split_dequantize
 from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS, OperandQuant, Recipe
 
-__all__ = ["AXIS", "OperandContext", "operand_keys", "operand_scope", "operand_signs",
-           "quantize_operand"]
+__all__ = ["AXIS", "STACK_AXIS", "OperandContext", "operand_keys", "operand_scope",
+           "operand_signs", "quantize_operand", "observed_amax"]
 
 AXIS = {o.name: o.axis for o in OPERAND_TABLE}  # the quantization axis of each operand
+# the vmapped axis of a grouped GEMM's experts (fp4lab.qragged_dot), over which a recipe with
+# expert_scale="shared" takes its per-tensor amaxes
+STACK_AXIS = "fp4lab_expert_stack"
 
 
 def operand_keys(key) -> dict[str, jax.Array | None]:
@@ -90,19 +94,45 @@ def quantize_operand(x, op: OperandQuant, axis: int, key, signs="te",
                         global_amax=global_amax, outer=outer)
 
 
+def observed_amax(x, op: OperandQuant, axis: int, signs) -> jax.Array:
+    """The amax of what a per-tensor operand quantizes (after its RHT, if it has one)."""
+    if op.hadamard:
+        x = rht(x, axis, op.hadamard, signs)
+    return abs_max(x)
+
+
+def _takes_tensor_amax(op: OperandQuant) -> bool:
+    return not op.format.is_passthrough and (op.format.has_global_scale
+                                             or op.format.granularity == "tensor")
+
+
 class OperandContext(NamedTuple):
-    """Per call: each operand's key, delayed-scaling amax and Hadamard signs."""
+    """Per call: each operand's key, per-tensor amax where it is not the operand's own
+    (delayed scaling's, or an expert stack's shared one) and Hadamard signs."""
 
     keys: dict
     amax: dict
     signs: dict
 
     @classmethod
-    def of(cls, recipe: Recipe, key, history) -> OperandContext:
+    def of(cls, recipe: Recipe, key, history, tensors=None, gemms=()) -> OperandContext:
+        """``tensors`` by role (as :func:`fp4lab.features.probes.measure` takes them): under
+        ``recipe.expert_scale == "shared"``, each per-tensor operand of ``gemms`` takes the
+        amax of its tensor over the whole expert stack (the grouped GEMM's vmapped
+        :data:`STACK_AXIS`)."""
         amax = dict.fromkeys(OPERANDS)
         for name in recipe.delayed_operands:
             amax[name] = history_amax(history[OPERANDS.index(name)], recipe.delayed)
-        return cls(operand_keys(key), amax, operand_signs(recipe, key))
+        signs = operand_signs(recipe, key)
+        if recipe.expert_scale == "shared":
+            for o in OPERAND_TABLE:
+                op = recipe.operands[o.name]
+                if o.gemm in gemms and _takes_tensor_amax(op):
+                    src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[
+                        o.role]
+                    amax[o.name] = jax.lax.pmax(observed_amax(
+                        src.astype(jnp.float32), op, o.axis, signs[o.name]), STACK_AXIS)
+        return cls(operand_keys(key), amax, signs)
 
     def quantize(self, name: str, t, recipe: Recipe, backend, outer: bool = True):
         with operand_scope(name):

@@ -44,8 +44,9 @@ from fp4lab.gemm import canonical
 from fp4lab.gemm import saved as _saved
 from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN
 from fp4lab.gemm.einsum import plan_einsum
-from fp4lab.numerics.hadamard import rht, rotate
-from fp4lab.gemm.operand_quant import AXIS, OperandContext, operand_scope, operand_signs
+from fp4lab.numerics.hadamard import rotate
+from fp4lab.gemm.operand_quant import (AXIS, OperandContext, observed_amax, operand_scope,
+                                      operand_signs)
 from fp4lab.features.outcontrol import split_gemm
 from fp4lab.features.probes import measure
 from fp4lab.gemm.state import GemmState, check_gemm_state
@@ -53,8 +54,7 @@ from fp4lab.numerics import rounding as rnd
 from fp4lab.numerics.gemm_operands import GemmOperand, split_dequantize
 from fp4lab.numerics.quantize import quantize, trust_mask
 from fp4lab.numerics.scaling import Outer
-from fp4lab.gemm.recipe import OPERAND_TABLE, OperandQuant, Recipe, get_recipe
-from fp4lab.numerics.rounding import abs_max
+from fp4lab.gemm.recipe import OPERAND_TABLE, Recipe, get_recipe
 
 __all__ = ["qdot_general", "qeinsum", "saved_bytes"]
 
@@ -143,7 +143,8 @@ def _weight(w, recipe: Recipe, ctx: OperandContext, backend):
     if op.tile and op == recipe.dgrad_w and not op.format.is_passthrough and not op.hadamard:
         with operand_scope("fprop_w"):
             qw = quantize(w.astype(jnp.float32), op.format, tile=op.tile, rounding=op.rounding,
-                          key=ctx.keys["fprop_w"], backend=backend)
+                          key=ctx.keys["fprop_w"], backend=backend,
+                          global_amax=ctx.amax["fprop_w"])
             return split_dequantize(qw, outer), qw
     return ctx.quantize("fprop_w", w, recipe, backend, outer), None
 
@@ -184,13 +185,6 @@ def _backward(res: _Residuals, x, dy, recipe: Recipe, ctx: OperandContext, backe
     return _masked(dx, masks[0]), _masked(dw, masks[1])
 
 
-def _observed(x, op: OperandQuant, axis: int, signs) -> jax.Array:
-    """The amax of what a per-tensor operand quantizes (after its RHT, if it has one)."""
-    if op.hadamard:
-        x = rht(x, axis, op.hadamard, signs)
-    return abs_max(x)
-
-
 def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
     """The history's "gradient": this step's amaxes in column 0 (see fp4lab.features.delayed);
     ``tensors`` by role (x, w and dy each serve two operands: one amax per tensor and
@@ -206,7 +200,7 @@ def _history_grad(history, recipe: Recipe, tensors: dict) -> jax.Array | None:
         op = recipe.operands[o.name]
         k = (o.role, op.hadamard, o.axis if op.hadamard else None)
         if k not in seen:
-            seen[k] = _observed(tensors[o.role], op, o.axis, recipe.signs(op))  # fixed signs
+            seen[k] = observed_amax(tensors[o.role], op, o.axis, recipe.signs(op))  # fixed signs
         observed.append(seen[k])
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(observed))
 
@@ -240,7 +234,7 @@ def _gemm(recipe: Recipe, out_dtype, dy_dtype, backend, x, w, key, probe, histor
 
 
 def _gemm_fwd(recipe, out_dtype, dy_dtype, backend, x, w, key, probe, history, rows):
-    ctx = OperandContext.of(recipe, key, history)
+    ctx = OperandContext.of(recipe, key, history, {"x": x, "w": w}, ("fprop",))
     wq, qw = _weight(w, recipe, ctx, backend)
     xq = ctx.quantize("fprop_x", x, recipe, backend, not recipe.requantizes)
     y = _mm(xq, wq, BMK_BKN)
@@ -261,11 +255,12 @@ def _gemm_bwd(recipe, out_dtype, dy_dtype, backend, res: _Residuals, g):
     # a constant cotangent (``loss = y.sum()``) would otherwise be quantized by XLA's
     # constant folder at compile time: tens of seconds at 2048^2, the same bits at run time
     dy = lax.optimization_barrier(g.astype(dy_dtype))
-    ctx = OperandContext.of(recipe, res.key, res.history)
-    dx, dw = _backward(res, x, dy, recipe, ctx, backend)
     tensors = {"x": x, "w": res.w, "dy": dy}
     if recipe.requantizes:
         tensors.update(fwd_x=_dequantized(res.xq), fwd_w=_dequantized(res.wq))
+    ctx = OperandContext.of(recipe, res.key, res.history, tensors,
+                            () if recipe.backward == "ste" else ("dgrad", "wgrad"))
+    dx, dw = _backward(res, x, dy, recipe, ctx, backend)
     probes = None if res.fwd_probes is None else jnp.concatenate(
         [res.fwd_probes, measure(recipe, tensors, *ctx, ("dgrad", "wgrad"), res.rows)])
     return (dx.astype(x.dtype), dw.astype(res.w.dtype), None, probes,
@@ -365,6 +360,8 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", sta
     plan = canonical.plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
     state = check_gemm_state(recipe, plan.bmkn[2], state, backend)
     x, w = canonical.to_canonical(jnp.asarray(lhs), jnp.asarray(rhs), plan)
+    if recipe.expert_scale != "expert":  # one GEMM: its own tensor is the whole stack
+        recipe = dataclasses.replace(recipe, expert_scale="expert")
     y = _composed(x, w, recipe, out_dtype, backend, state)
     y = y.reshape(plan.out_shape)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

@@ -130,6 +130,11 @@ class Recipe:
     (:mod:`fp4lab.features.delayed`); the GEMM's state then needs its ``amax_history``.
     ``outliers``: TetraJet-v2's OutControl (:class:`OutControl`); the GEMM splits K once its
     state has ``channels``.
+    ``expert_scale``: in a grouped GEMM (:func:`fp4lab.qragged_dot`), whether each expert's
+    operands take their own per-tensor amax (``"expert"``: NVFP4's FP32 global scale, FP8
+    current scaling; TE's ``GroupedLinear``) or one amax over the whole stack's
+    (``"shared"``, as serving engines load one input scale for all experts); a dense GEMM
+    is one tensor either way.
     """
 
     name: str
@@ -145,11 +150,18 @@ class Recipe:
     saved_x: SavedX | None = None  # None: the GEMM saves X as it came (today's)
     trust: bool = False
     outliers: OutControl | None = None
+    expert_scale: Literal["expert", "shared"] = "expert"
     follows: str = ""
 
     def __post_init__(self):
         if self.backward not in ("quantized", "ste"):
             raise ValueError(f"backward={self.backward!r} is not 'quantized' or 'ste'")
+        if self.expert_scale not in ("expert", "shared"):
+            raise ValueError(f"recipe {self.name}: expert_scale={self.expert_scale!r} is not "
+                             "'expert' or 'shared'")
+        if self.expert_scale == "shared" and self.delayed is not None:
+            raise ValueError(f"recipe {self.name}: expert_scale='shared' with delayed scaling "
+                             "(an amax history scales each expert from its own history)")
         for o in OPERAND_TABLE:
             if getattr(self, o.name).source == "forward" and o.name not in (
                     "dgrad_w", "wgrad_x"):
@@ -258,7 +270,7 @@ def _uniform(name, fmt, follows, **kw) -> Recipe:
                   wgrad_dy=op, follows=follows, **kw)
 
 
-def _nvfp4(name, *, rht=16, sr=True, weight_tile=(16, 16), follows=""):
+def _nvfp4(name, *, rht=16, sr=True, weight_tile=(16, 16), follows="", **kw):
     sr_ = "stochastic" if sr else "nearest"
     w = _op("nvfp4", tile=weight_tile)
     return Recipe(
@@ -266,7 +278,7 @@ def _nvfp4(name, *, rht=16, sr=True, weight_tile=(16, 16), follows=""):
         fprop_x=_op("nvfp4"), fprop_w=w,
         dgrad_dy=_op("nvfp4", rounding=sr_), dgrad_w=w,
         wgrad_x=_op("nvfp4", hadamard=rht), wgrad_dy=_op("nvfp4", rounding=sr_, hadamard=rht),
-        follows=follows,
+        follows=follows, **kw,
     )
 
 
@@ -389,6 +401,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            "RHT16 on wgrad inputs, SR on gradients"),
     _nvfp4("nvfp4_no_rht", rht=0, follows="nvfp4 ablation: no random Hadamard transform"),
     _nvfp4("nvfp4_no_sr", sr=False, follows="nvfp4 ablation: round-to-nearest gradients"),
+    _nvfp4("nvfp4_shared_scale", expert_scale="shared",
+           follows="nvfp4 with one FP32 global scale per operand for a whole expert stack "
+           "(the amax over all its experts), where nvfp4 gives each expert its own"),
     _nvfp4("nvfp4_1d_weights", weight_tile=None,
            follows="nvfp4 ablation: 1D weight blocks (W quantized separately along K and N)"),
     _qat("fp4_qat", "mxfp4", follows="FP4 (E2M1) weight QAT as DeepSeek-V4 / MiMo; the "

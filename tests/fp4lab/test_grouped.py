@@ -11,6 +11,7 @@ XLA's own accumulation is checked separately against the same bound as any float
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -32,6 +33,7 @@ from fp4lab.features.outcontrol import channel_order
 from fp4lab.gemm import grouped
 from fp4lab.gemm import qdot as qdot_module
 from fp4lab.gemm.grouped import qragged_dot
+from fp4lab.gemm.recipe import OPERAND_TABLE, OPERANDS
 from fp4lab.gemm.state import GemmState
 
 # an empty expert, a one-token expert, and 35 = 2 * 16 + 3 = 32 + 3 tokens: partial NVFP4 and
@@ -160,8 +162,9 @@ _REPRESENTATIVE = ("bf16", "fp8_delayed", "mxfp8", "nvfp4", "tetrajet_v2_outcont
                    "q4_0_qat", "bf16_saved_e5m6_pow2")
 
 
-@pytest.mark.parametrize("recipe", fp4lab.recipe_names() if os.environ.get(
-    "FP4LAB_ALL_RECIPES") else _REPRESENTATIVE)
+@pytest.mark.parametrize("recipe", [  # a shared expert scale is not the loop's: tested below
+    r for r in fp4lab.recipe_names() if fp4lab.get_recipe(r).expert_scale == "expert"]
+    if os.environ.get("FP4LAB_ALL_RECIPES") else _REPRESENTATIVE)
 def test_every_recipe_is_the_loop_over_experts(recipe, exact_dot):
     r = fp4lab.get_recipe(recipe)
     x, w, dy = _operands()
@@ -327,6 +330,70 @@ def test_probes_per_expert_are_the_loops(recipe):
     np.testing.assert_allclose(got[..., summed], want[..., summed], rtol=1e-5)
 
 
+def _stack_amaxes(recipe, x, w, dy, sizes):
+    """The amax of each operand over the whole expert stack, in OPERANDS order, in NumPy from
+    each expert's tensors (an RHT operand's after its transform along the expert's own
+    tokens, zero-padded to the transform's width)."""
+    from fp4lab.numerics.hadamard import rht
+
+    ends = np.cumsum(sizes)
+    out = []
+    for o in OPERAND_TABLE:
+        op = recipe.operands[o.name]
+        t = {"x": x, "w": w, "dy": dy}[o.role]
+        if o.role == "w":
+            parts = [np.asarray(t)]
+        else:  # the experts' rows, canonical (1, rows, width)
+            parts = [np.asarray(t[end - n:end])[None] for n, end in zip(sizes, ends,
+                                                                       strict=True) if n]
+        if op.hadamard:  # along the tokens (axis 1): wgrad's X and dY
+            parts = [np.asarray(rht(jnp.asarray(a), o.axis, op.hadamard, recipe.signs(op)))
+                     for a in parts]
+        out.append(max(float(np.abs(a).max(initial=0.0)) for a in parts))
+    return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("sizes", [GROUP_SIZES, (12, 20, 5)])
+def test_a_shared_expert_scale_is_each_experts_gemm_scaled_for_the_stacks_amax(
+        sizes, exact_dot, monkeypatch):
+    """``nvfp4_shared_scale``: every expert's six operands take the stack's per-tensor amax
+    (NVFP4's FP32 global scale from the amax over all experts; RHT operands' after the
+    transform), so it is bit for bit the loop of ``qdot_general`` over experts under
+    ``nvfp4`` with each operand scaled for the stack's amax, computed here in NumPy (given as
+    delayed scaling gives its history's amax), stochastic rounding included. Not ``nvfp4``'s:
+    experts whose amaxes differ (expert 2's rows 8x larger) change. A dense GEMM has one
+    tensor: ``qdot_general`` under the shared recipe is ``nvfp4``'s bit for bit."""
+    from fp4lab.gemm import operand_quant
+
+    shared = fp4lab.get_recipe("nvfp4_shared_scale")
+    x, w, dy = _operands(5)
+    ends = np.cumsum(sizes)
+    x = x[:sum(sizes)].at[ends[1]:].multiply(8.0)
+    dy = dy[:sum(sizes)]
+    key = jax.random.key(11)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = _grads(lambda a, b: qragged_dot(a, b, group_sizes, shared, key), x, w, dy)
+    own = _grads(lambda a, b: qragged_dot(a, b, group_sizes, "nvfp4", key), x, w, dy)
+    dense = [_grads(lambda a, b, r=r: fp4lab.qdot_general(a, b, DN, r, key), x, w[0], dy)
+             for r in (shared, "nvfp4")]
+
+    amaxes = dict(zip(OPERANDS, _stack_amaxes(shared, x, w, dy, sizes), strict=True))
+    given = operand_quant.OperandContext.of
+
+    def of(recipe, key, history, tensors=None, gemms=()):
+        ctx = given(recipe, key, history)
+        ctx.amax.update({k: jnp.float32(v) for k, v in amaxes.items()})
+        return ctx
+
+    monkeypatch.setattr(qdot_module.OperandContext, "of", of)
+    want = _loop(x, w, dy, sizes, fp4lab.get_recipe("nvfp4"), key)
+    for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert_same_bits(a, b, f"shared {what}")
+    assert (np.asarray(got[0]) != np.asarray(own[0])).any()
+    for what, a, b in zip(("y", "dx", "dw"), *dense, strict=True):
+        assert_same_bits(a, b, f"dense {what}")
+
+
 def test_rows_after_the_groups_are_zero_and_rows_beyond_capacity_nan():
     x, w, dy = _operands(3)
     f = jax.jit(lambda x, w, sizes: qragged_dot(x, w, sizes, "mxfp8", capacity=20))
@@ -350,6 +417,9 @@ def test_rows_after_the_groups_are_zero_and_rows_beyond_capacity_nan():
     (lambda x, w, s: qragged_dot(x, w, s, "nvfp4"), r"stochastic rounding: pass a key"),
     (lambda x, w, s: qragged_dot(x, w, s, "bf16", GemmState(probe=fp4lab.probe_zeros())),
      r"probe"),
+    (lambda x, w, s: dataclasses.replace(fp4lab.get_recipe("fp8_delayed"), name="d",
+                                         expert_scale="shared"),
+     r"expert_scale='shared' with delayed scaling"),
     (lambda x, w, s: qragged_dot(x, w, s, "fp8_delayed", GemmState(
         amax_history=init_history(fp4lab.get_recipe("fp8_delayed").delayed))),
      r"amax_history has shape \(6, \d+\); qragged_dot takes one per expert"),
