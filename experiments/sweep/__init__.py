@@ -62,12 +62,12 @@ from experiments.sweep.cli import main, parse_shard
 from experiments.sweep.plan import (PlannedRun, Variant, planned_runs, run_config, run_name,
                                     sweep_seeds, sweep_variants)
 from experiments.sweep.report import (comparison_table, difference_table, probe_table,
-                                      results_table, write_reports)
+                                      results_table, step_metric_table, write_reports)
 from experiments.sweep.result import RunResult
 from experiments.sweep.run import check_plan, collect_results, run_sweep
 
 __all__ = ["run_sweep", "check_plan", "collect_results", "planned_runs", "sweep_variants",
            "sweep_seeds", "run_name", "run_config", "Variant", "PlannedRun", "RunResult",
            "results_table", "difference_table", "comparison_table", "probe_table",
-           "write_reports",
+           "step_metric_table", "write_reports",
            "parse_shard", "layer_order", "main"]

@@ -172,6 +172,31 @@ def probe_table(results) -> tuple[list[str], list[list]]:
     return header, rows
 
 
+def step_metric_table(results) -> tuple[list[str], list[list]]:
+    """Per policy (and variant): each further per-step metric that its runs logged (the
+    result's ``step_metric_means``: an MoE model's ``moe_load_max`` / ``moe_load_min``, the
+    most and least loaded experts' share of an even load, ``mtp_grad_survival``...),
+    averaged over the steps and then the seeds. Empty when no run logged one."""
+    grouped = groups(as_results(results))
+    names = sorted({k for runs in grouped.values() for r in finished(runs)
+                    for k in r.record.get("step_metric_means", {})})
+    if not names:
+        return [], []
+    variants = any(v for v, _ in grouped)
+    header = (["variant"] if variants else []) + ["policy", "seeds"] + names
+    rows = []
+    for (variant, policy), runs in grouped.items():
+        means = [r.record.get("step_metric_means", {}) for r in finished(runs)]
+        if not means:
+            continue
+        cells = []
+        for k in names:
+            v = [m[k] for m in means if k in m and math.isfinite(m[k])]
+            cells.append(rounded(float(np.mean(v)), 3) if v else "")
+        rows.append(([variant] if variants else []) + [policy, len(means)] + cells)
+    return header, rows
+
+
 def _csv(header, rows) -> str:
     buf = io.StringIO()
     csv.writer(buf).writerows([header] + rows)
@@ -196,6 +221,11 @@ def write_reports(results, out: Path, compare=()) -> str:
     if c_rows:
         md += ("\nPaired comparisons between policies (relative difference of the final "
                "validation loss, paired by seed):\n\n" + markdown_table(c_header, c_rows))
+    s_header, s_rows = step_metric_table(results)
+    if s_rows:
+        md += ("\nPer-step metrics, averaged over the steps and seeds (moe_load_max / _min: "
+               "the most / least loaded expert's tokens over an even share, per MoE block):"
+               "\n\n" + markdown_table(s_header, s_rows))
     p_header, p_rows = probe_table(results)
     if p_rows:
         write_atomic(out / "probes.csv", _csv(p_header, p_rows))

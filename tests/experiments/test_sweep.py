@@ -81,6 +81,19 @@ def test_probe_table_averages_layers_and_seeds_and_skips_infinities():
                               "final_train_loss": 2.0, "tokens_per_s": 1.0}])[1] == []
 
 
+def test_step_metric_table_averages_steps_then_seeds_per_policy():
+    def run(policy, seed, load):
+        means = {} if load is None else {"moe_load_max": load, "moe_load_min": 0.5}
+        return {"policy": policy, "seed": seed, "status": "ok", "val_loss": 2.0,
+                "final_train_loss": 2.0, "tokens_per_s": 1.0, "step_metric_means": means}
+
+    header, rows = sweep.step_metric_table([run("bf16", 0, 1.5), run("bf16", 1, 2.0),
+                                            run("nvfp4", 0, None)])
+    assert header == ["policy", "seeds", "moe_load_max", "moe_load_min"]
+    assert rows == [["bf16", 2, 1.75, 0.5], ["nvfp4", 1, "", ""]]
+    assert sweep.step_metric_table([run("bf16", 0, None)]) == ([], [])
+
+
 def test_results_table_gaps_and_speed_are_relative_to_bf16():
     base = {"policy": "bf16", "status": "ok", "final_train_loss": 2.0, "val_loss": 2.0,
             "tokens_per_s": 1000.0, "underflow_by_kind": {"mlp/up": 0.0}}
