@@ -287,7 +287,7 @@ def test_the_hybrid_lm_trains_expert_parallel_with_the_one_device_numbers(tiny, 
     """model.moe_parallel: the experts split over the 8 test devices (all-to-all dispatch and
     return in the compiled step; without it, none). Under NVFP4 with stochastic rounding the
     training loss's gradients equal the data-parallel run's bit for bit, the experts' also
-    the one-device model's, and so do the logits; three trainer steps give the same losses
+    the one-device model's; three trainer steps give the same losses
     and loads, their parameters equal but for the rounding of the gradient's global norm
     (a sum over the devices' shards of the expert stacks, in another order)."""
     from hlo import collectives, moving
@@ -332,9 +332,6 @@ def test_the_hybrid_lm_trains_expert_parallel_with_the_one_device_numbers(tiny, 
             0]))(*on_one)
     experts = lambda g: g["blocks_0"]["moe"]["experts"]  # noqa: E731
     jax.tree.map(np.testing.assert_array_equal, experts(one_grads), experts(gp))
-    logits = jax.jit(one.apply)({"params": on_one[0]}, on_one[1][:, :-1])[0]
-    split = jax.jit(setup.qmodel.model.apply)({"params": params0}, batches[0][0][:, :-1])[0]
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(logits))
 
 
 def test_expert_parallelism_refuses_what_it_cannot_run(tiny, text):
