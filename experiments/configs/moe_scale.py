@@ -2,7 +2,7 @@
 GEMMs"): the MoE hybrid (``MEM*ME``, as ``--config moe``) with NVFP4 experts, each expert's
 operands scaled for their own amax (``nvfp4_experts``: TE's ``GroupedLinear``) or for the
 stack's (``nvfp4_experts_shared``: one FP32 global scale per operand for all experts, as
-serving engines load the input scale), the rest BF16; gaps to the BF16 model and the two
+vLLM's FP8 MoE loads its input scale), the rest BF16; gaps to the BF16 model and the two
 paired by seed. Three seeds each, 9 runs; on 2 CPU cores as two shards:
 
     python -m experiments.sweep --config moe_scale --out results/moe_scale --shard 0/2 &

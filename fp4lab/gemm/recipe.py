@@ -133,7 +133,7 @@ class Recipe:
     ``expert_scale``: in a grouped GEMM (:func:`fp4lab.qragged_dot`), whether each expert's
     operands take their own per-tensor amax (``"expert"``: NVFP4's FP32 global scale, FP8
     current scaling; TE's ``GroupedLinear``) or one amax over the whole stack's
-    (``"shared"``, as serving engines load one input scale for all experts); a dense GEMM
+    (``"shared"``, as vLLM's FP8 MoE loads one input scale for all experts); a dense GEMM
     is one tensor either way.
     """
 
