@@ -9,7 +9,8 @@ A layer's depth is the block index found in its path by ``block_pattern``. The d
 the ways Flax and common model code name blocks: a path element ``blocks_3``, ``layers_3``,
 ``layer3``, ``h_3``, Linen's automatic names of block modules (``Block_3``,
 ``TransformerBlock_3``, ``DecoderLayer_3``), NNX list attributes (``layers/3``, ``h/3``) and
-dotted names (``blocks.3``, ``h.3``). :func:`block_pattern_for` builds the pattern for any
+dotted names (``blocks.3``, ``h.3``); never an MoE module inside a block (an element whose
+name contains "moe", MaxText's ``MoeBlock_0``). :func:`block_pattern_for` builds the pattern for any
 other block name (``quantize_model(..., block="Stage")``).
 
 :func:`explain` resolves a policy over a model's layers and returns a readable table. A rule

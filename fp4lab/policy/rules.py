@@ -14,18 +14,22 @@ __all__ = ["Depth", "Rule", "PrecisionPolicy", "Assignment", "block_pattern_for"
            "PolicyWarning", "LAYER_KINDS", "OP_KINDS", "EXPERT_KINDS", "INTERCEPTED_KINDS",
            "DEFAULT_BLOCK_PATTERN", "ROUTER_PATTERN", "is_router"]
 
-# a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...)
-DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)"
-                         r"[_./]?(\d+)(?=/|$)")
+# a path element naming a block (blocks_3, Block_3, TransformerBlock_3, layers/3, h.3, ...),
+# never an MoE module inside one (MaxText's MoeBlock_0 is the first MoE block of its layer)
+DEFAULT_BLOCK_PATTERN = (r"(?:^|/)(?![^/]*(?i:moe))"
+                         r"(?:(?:[A-Za-z]\w*?)?(?:[Bb]locks?|[Ll]ayers?)|h)[_./]?(\d+)(?=/|$)")
 # the kinds of GEMM a rule can name: fp4lab.flax's Linen and NNX layer classes, lower case,
 # and the calls inside modules that fp4lab.flax intercepts: general calls (OP_KINDS), which
 # only rules of their kind quantize (an einsum may be attention's scores), and the grouped
 # GEMMs of MoE experts (EXPERT_KINDS), which are always an expert stack's GEMM and are
 # assigned as layers are (the policy's rules and its default)
 OP_KINDS = ("lax.dot_general", "jnp.einsum")
-EXPERT_KINDS = ("lax.ragged_dot",)
+EXPERT_KINDS = ("lax.ragged_dot", "fp4lab.expert_einsum")
 INTERCEPTED_KINDS = OP_KINDS + EXPERT_KINDS
-LAYER_KINDS = ("dense", "densegeneral", "einsum", "linear", "lineargeneral") + INTERCEPTED_KINDS
+# a rule of kind "experts" names every expert stack, whichever call computes it
+EXPERTS = "experts"
+LAYER_KINDS = (("dense", "densegeneral", "einsum", "linear", "lineargeneral") + INTERCEPTED_KINDS
+               + (EXPERTS,))
 # an MoE router, by name: a path element ``router...``, or ``gate`` inside a module whose
 # name says MoE (Mixtral's ``block_sparse_moe/gate``, MaxText's ``MoeBlock_0/gate``; a bare
 # ``mlp/gate`` or ``experts/gate`` may be a GLU's gate, so DeepSeek's and Qwen-MoE's
@@ -208,7 +212,8 @@ class PrecisionPolicy:
                 continue  # a router is reached only by a rule that names it
             if not re.fullmatch(r.pattern, path):
                 continue
-            if r.kind is not None and r.kind != kind:
+            if r.kind is not None and r.kind != kind and not (
+                    r.kind == EXPERTS and kind in EXPERT_KINDS):
                 continue
             if r.outside_blocks and (block is not None or num_blocks is None):
                 continue  # (a model without blocks has no outside either)

@@ -308,3 +308,19 @@ def test_a_policy_path_that_is_no_json_file_is_named(tmp_path):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match=r"policy file '.*bin.json' is not JSON"):
         get_policy(f"file:{tmp_path / 'bin.json'}")
+
+
+def test_the_default_block_pattern_reads_blocks_not_the_moe_modules_inside_them():
+    """A block index is the first path element naming a block or a layer; an MoE module in a
+    block (MaxText's MoeBlock_0, a Linen SparseMoeBlock_1) is never one: in MaxText's scanned
+    layers (no index) its expert stacks are the stacked blocks, not block 0."""
+    p = PrecisionPolicy()
+    found = {path: p.block_of(path) for path in [
+        "blocks_3/mlp", "TransformerBlock_2/x", "h.4/attn", "layers/5/SparseMoeBlock_1/e",
+        "decoder/layers_1/MoeBlock_0/ragged_dot_0", "decoder/layers/MoeBlock_0/ragged_dot_0",
+        "model/MoEBlock_2/w", "Block_1"]}
+    assert found == {"blocks_3/mlp": 3, "TransformerBlock_2/x": 2, "h.4/attn": 4,
+                     "layers/5/SparseMoeBlock_1/e": 5,
+                     "decoder/layers_1/MoeBlock_0/ragged_dot_0": 1,
+                     "decoder/layers/MoeBlock_0/ragged_dot_0": None,
+                     "model/MoEBlock_2/w": None, "Block_1": 1}
