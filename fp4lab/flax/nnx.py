@@ -19,8 +19,8 @@ from flax import nnx
 
 from fp4lab.features.delayed import init_history, update
 from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swap_class
-from fp4lab.flax.ops import (CallCounter, OpCalls, expert_count, quantized_call, runs_as_written,
-                             trace_abstractly)
+from fp4lab.flax.ops import (CallCounter, OpCalls, device_key, expert_count, quantized_call,
+                             runs_as_written, trace_abstractly)
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.policy.rules import EXPERT_KINDS
 from fp4lab.gemm.qdot import qdot_general, qeinsum
@@ -140,12 +140,27 @@ class _QuantizedGemm(nnx.Module):
 
     def _key(self):
         """This call's SR key: the base key folded with the counter, which then advances (a
-        rematerialized forward reads the counter it was given, so it draws the same key)."""
+        rematerialized forward reads the counter it was given, so it draws the same key).
+        Inside a JAX transform that NNX state cannot be written from (MaxText computes its
+        experts under ``jax.shard_map``), the draw is deferred: the key folds the counter
+        plus the draws deferred so far, and the counter advances by them when the trace
+        returns to the module method that entered the transform (:func:`_advance_deferred`).
+        Inside ``shard_map`` the key is also each device's own (:func:`device_key`)."""
         if not self.recipe.needs_key:
             return None
         n = self.sr_count[...]
-        self.sr_count[...] = n + 1
-        return jax.random.fold_in(jax.random.wrap_key_data(self.sr_key[...]), n)
+        deferred = getattr(_state, "deferred", None)
+        if self.sr_count._can_update and (deferred is None or id(self) not in deferred):
+            self.sr_count[...] = n + 1
+        elif deferred is None:
+            raise ValueError(f"{type(self).__name__}: its SR counter cannot advance inside a "
+                             "JAX transform entered outside the model's methods; call the "
+                             "model inside it, or use NNX's lifted transform (nnx.shard_map)")
+        else:
+            _, k = deferred.get(id(self), (self, 0))
+            deferred[id(self)] = (self, k + 1)
+            n = n + k
+        return device_key(jax.random.fold_in(jax.random.wrap_key_data(self.sr_key[...]), n))
 
     def _history(self):
         return self.amax_history[...] if self.recipe.delayed is not None else None
@@ -269,11 +284,11 @@ def _handler(record=None):
             return original(*args, **kwargs)
         q = getattr(m, OPS_ATTR, {}).get(name)
         if q is None and kind in EXPERT_KINDS:
-            raise ValueError(f"{type(m).__name__} calls jax.lax.ragged_dot ({name}), which "
-                             "quantize_model did not see: an NNX model's calls inside its "
+            raise ValueError(f"{type(m).__name__} calls {kind} ({name}), an expert stack "
+                             "that quantize_model did not see: an NNX model's calls inside its "
                              "modules are found by running it on example inputs, "
                              "quantize_model(model, policy, x)")
-        if q is None or runs_as_written(q.recipe, q.call, args):
+        if q is None or runs_as_written(q.recipe, q.call, args, kwargs):
             return original(*args, **kwargs)
         return q(args, kwargs)
 
@@ -282,15 +297,36 @@ def _handler(record=None):
 
 def _call(call, model, args, kwargs, record=None):
     """``call(model, *args, **kwargs)`` with its calls intercepted (the outermost of nested
-    intercepting calls counts and quantizes; the inner ones run inside it)."""
+    intercepting calls counts and quantizes; the inner ones run inside it). Every call
+    advances the SR counters whose draws were deferred inside it (:meth:`_QuantizedGemm._key`)
+    and can be written where it returns."""
     if getattr(_state, "active", False):
-        return call(model, *args, **kwargs)
-    _state.active = True
+        out = call(model, *args, **kwargs)
+        _advance_deferred()
+        return out
+    _state.active, _state.deferred = True, {}
     try:
         with OpCalls.intercepted(_handler(record)):
-            return call(model, *args, **kwargs)
+            out = call(model, *args, **kwargs)
+        _advance_deferred()
+        if _state.deferred:
+            op = next(iter(_state.deferred.values()))[0]
+            raise ValueError(f"op {op.path if isinstance(op, QuantOp) else type(op).__name__}"
+                             ": its SR keys were drawn inside a JAX transform that its "
+                             "counter cannot be advanced from; call the model inside it, or "
+                             "use NNX's lifted transform (nnx.shard_map)")
+        return out
     finally:
-        _state.active = False
+        _state.active, _state.deferred = False, None
+
+
+def _advance_deferred() -> None:
+    """Advance each SR counter by the draws deferred for it, where it can now be written."""
+    deferred = getattr(_state, "deferred", None) or {}
+    for i, (op, k) in list(deferred.items()):
+        if op.sr_count._can_update:
+            op.sr_count[...] = op.sr_count[...] + k
+            del deferred[i]
 
 
 _INTERCEPTING: dict[type, type] = {}

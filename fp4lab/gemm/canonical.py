@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Plan", "plan", "to_canonical", "BMK_BKN", "BMN_BKN", "BMK_BMN"]
+__all__ = ["Plan", "plan", "to_canonical", "varying_alike", "BMK_BKN", "BMN_BKN", "BMK_BMN"]
 
 BMK_BKN = (((2,), (1,)), ((0,), (0,)))  # (B,M,K) x (B,K,N) -> (B,M,N): fprop
 BMN_BKN = (((2,), (2,)), ((0,), (0,)))  # (B,M,N) x (B,K,N) -> (B,M,K): dgrad
@@ -74,3 +75,17 @@ def to_canonical(lhs, rhs, p: Plan):
     b, m, k, n = p.bmkn
     return (jnp.transpose(lhs, p.lhs_perm).reshape(b, m, k),
             jnp.transpose(rhs, p.rhs_perm).reshape(b, k, n))
+
+
+def varying_alike(*arrays):
+    """``arrays`` (``None`` passes) made to vary over the same mesh axes inside
+    ``jax.shard_map``: each one replicated over an axis that another varies over is cast to
+    varying there (``jax.lax.pcast``), as JAX does for the operands of its own primitives. A
+    ``custom_vjp`` GEMM then returns each input's cotangent with the input's own type, and
+    the cast's transpose sums a replicated operand's gradient over the devices. Outside
+    ``shard_map`` (or with ``check_vma=False``) nothing varies: ``arrays`` as they are."""
+    vma = [None if a is None else jax.typeof(a).manual_axis_type.varying for a in arrays]
+    axes = frozenset().union(*(v for v in vma if v is not None))
+    return tuple(a if v is None or v == axes else
+                 jax.lax.pcast(a, tuple(sorted(axes - v)), to="varying")
+                 for a, v in zip(arrays, vma, strict=True))

@@ -42,7 +42,7 @@ from jax import lax
 
 from fp4lab.gemm import canonical
 from fp4lab.gemm import saved as _saved
-from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN
+from fp4lab.gemm.canonical import BMK_BKN, BMK_BMN, BMN_BKN, varying_alike
 from fp4lab.gemm.einsum import plan_einsum
 from fp4lab.numerics.hadamard import rotate
 from fp4lab.gemm.operand_quant import (AXIS, OperandContext, observed_amax, operand_scope,
@@ -298,6 +298,7 @@ def _composed(x, w, recipe: Recipe, out_dtype, backend, state: GemmState, dy_dty
         x = rotate(x, AXIS["fprop_x"], recipe.fprop_x.hadamard, signs["fprop_x"])
         w = rotate(w, AXIS["fprop_w"], recipe.fprop_w.hadamard, signs["fprop_w"])
         recipe = _without_forward_transform(recipe)
+    x, w, probe, history = varying_alike(x, w, probe, history)
     return _gemm(recipe, out_dtype, dy_dtype or out_dtype, backend, x, w, key, probe, history,
                  rows)
 
@@ -359,12 +360,19 @@ def qdot_general(lhs, rhs, dimension_numbers, recipe: str | Recipe = "bf16", sta
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = canonical.plan(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
     state = check_gemm_state(recipe, plan.bmkn[2], state, backend)
-    x, w = canonical.to_canonical(jnp.asarray(lhs), jnp.asarray(rhs), plan)
     if recipe.expert_scale != "expert":  # one GEMM: its own tensor is the whole stack
         recipe = dataclasses.replace(recipe, expert_scale="expert")
-    y = _composed(x, w, recipe, out_dtype, backend, state)
-    y = y.reshape(plan.out_shape)
+    y = planned_gemm(lhs, rhs, plan, recipe, out_dtype, backend, state)
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
+
+
+def planned_gemm(lhs, rhs, plan: canonical.Plan, recipe: Recipe, out_dtype, backend: str,
+                 state: GemmState):
+    """The GEMM of ``plan`` (``canonical.plan`` of the operands' shapes) with a checked
+    ``state``: the operands in canonical form through the composed core, the output in the
+    plan's shape."""
+    x, w = canonical.to_canonical(jnp.asarray(lhs), jnp.asarray(rhs), plan)
+    return _composed(x, w, recipe, out_dtype, backend, state).reshape(plan.out_shape)
 
 
 def qeinsum(spec: str, a, b, recipe: str | Recipe = "bf16", state=None, *,
