@@ -66,12 +66,12 @@ NAMED = {
         r for r in nemotron3().rules if r.name != "latent projections")),
     # NVFP4 on the expert stacks alone / on the dense MLPs alone, everything else BF16
     "nvfp4_experts": lambda: PrecisionPolicy(
-        rules=(Rule(name="expert stacks", recipe="nvfp4", kind="lax.ragged_dot"),),
+        rules=(Rule(name="expert stacks", recipe="nvfp4", kind="experts"),),
         default="bf16"),
     # the same with one NVFP4 global scale per expert stack and operand, not one per expert
     "nvfp4_experts_shared": lambda: PrecisionPolicy(
         rules=(Rule(name="expert stacks", recipe="nvfp4_shared_scale",
-                    kind="lax.ragged_dot"),), default="bf16"),
+                    kind="experts"),), default="bf16"),
     "nvfp4_mlp": lambda: PrecisionPolicy(
         rules=(Rule(name="MLP layers", recipe="nvfp4", pattern=r"(?:.*/)?mlp/\w+"),),
         default="bf16"),

@@ -12,8 +12,8 @@ layers, from the bottom up (imports point up, never down):
 * ``fp4lab.gemm``: the six GEMM operands (``operands``) and how a recipe quantizes each
   (``recipe``), the canonical GEMM (``canonical``, ``einsum``), the operand quantization
   every core GEMM shares (``operand_quant``), the quantized GEMM with the features composed
-  around it (``qdot``), the grouped GEMM of MoE experts (``grouped``: ``qragged_dot``) and
-  what is stored for the backward pass (``saved``: ``recompute``);
+  around it (``qdot``), the grouped GEMM of MoE experts (``grouped``: ``qragged_dot``,
+  ``qexpert_einsum``) and what is stored for the backward pass (``saved``: ``recompute``);
 * ``fp4lab.features``: stateful recipe features behind one protocol (``protocol``,
   ``registry``): FP8 amax histories (``delayed``), the probes (``probes``), TetraJet-v2's
   outlier channels (``outcontrol``) and oscillation reset (``osci_reset``);
@@ -38,7 +38,7 @@ from fp4lab.policy import (
 )
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.numerics.qarray import QArray
-from fp4lab.gemm.grouped import qragged_dot
+from fp4lab.gemm.grouped import qexpert_einsum, qragged_dot
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.state import GemmState
 from fp4lab.numerics.quantize import dequantize, fake_quant, quantize
@@ -57,8 +57,8 @@ __all__ = [
     # numerics
     "quant_metrics", "probe_zeros", "probe_table",
     # GEMMs and recipes
-    "qdot_general", "qeinsum", "qragged_dot", "GemmState", "Recipe", "OperandQuant", "RECIPES", "get_recipe",
-    "recipe_names",
+    "qdot_general", "qeinsum", "qragged_dot", "qexpert_einsum", "GemmState", "Recipe",
+    "OperandQuant", "RECIPES", "get_recipe", "recipe_names",
     # policies
     "PrecisionPolicy", "Rule", "nemotron3", "explain", "get_policy", "load_policy",
     "save_policy",

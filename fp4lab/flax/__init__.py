@@ -59,7 +59,7 @@ from flax import nnx as flax_nnx  # not `nnx`: fp4lab.flax.nnx is this package's
 
 from fp4lab.flax import nnx as _nnx
 from fp4lab.flax.linen import QDense, QDenseGeneral, QuantizedLinen
-from fp4lab.flax.ops import NONE_FOUND, check_expert_recipe, experts_split_over
+from fp4lab.flax.ops import NONE_FOUND, check_expert_recipe, expert_einsum, experts_split_over
 from fp4lab.flax.nnx import (OPS_ATTR, QLinear, QLinearGeneral, QuantDot, QuantEinsum, QuantOp,
                              probe_records)
 from fp4lab.policy import (EXPERT_KINDS, OP_KINDS, ExplainTable, PrecisionPolicy, check_unused,
@@ -69,7 +69,7 @@ from fp4lab.policy import explain as _explain
 __all__ = ["QDense", "QDenseGeneral", "QuantizedLinen", "QLinear", "QLinearGeneral",
            "QuantDot", "QuantEinsum", "QuantOp", "quantize_model", "linear_layers", "op_calls",
            "explain", "assignments", "probe_records", "quantized_weights",
-           "experts_split_over"]
+           "experts_split_over", "expert_einsum"]
 
 
 def linear_layers(model) -> list[tuple[str, str | None]]:

@@ -22,7 +22,7 @@ from fp4lab.flax.internals import linen_calling_module, linen_einsum_bias_shape
 from fp4lab.flax.linen_state import (CREATING, PASSED, RECORDING, gemm_state, note_weight,
                                      stack_of)
 from fp4lab.flax.ops import (NONE_FOUND, CallCounter, OpCalls, check_expert_recipe, expert_count,
-                             operand_w, operand_x, quantized_call, runs_as_written,
+                             operand_x, operands, quantized_call, runs_as_written,
                              trace_abstractly)
 from fp4lab.policy import (OP_KINDS, Assignment, ExplainTable, PrecisionPolicy, check_unused,
                            param_layers)
@@ -222,8 +222,8 @@ class QuantizedLinen:
             module, name, op_path = found
             met[op_path] = a = self.policy.assign(op_path, kind, num_blocks,
                                                   stack=stack_of(module))
-            note_weight(op_path, operand_w(kind, args))
-            if a.recipe is None or runs_as_written(a.recipe, kind, args):
+            note_weight(op_path, operands(kind, args, kwargs)[1])
+            if a.recipe is None or runs_as_written(a.recipe, kind, args, kwargs):
                 return original(*args, **kwargs)
             return _quantized_op(module, name, op_path, kind, a.recipe, self.backend, args,
                                  kwargs)

@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4lab.gemm.einsum import plan_einsum
-from fp4lab.gemm.grouped import qragged_dot
+from fp4lab.gemm.grouped import qexpert_einsum, qragged_dot
 from fp4lab.gemm.qdot import qdot_general, qeinsum
 from fp4lab.gemm.recipe import Recipe
 from fp4lab.gemm.state import as_gemm_state
 from fp4lab.policy.rules import EXPERT_KINDS
 
 __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
-           "trace_abstractly", "operand_w", "expert_count", "check_expert_recipe",
-           "experts_split_over"]
+           "trace_abstractly", "operands", "expert_count", "check_expert_recipe",
+           "experts_split_over", "device_key", "expert_einsum"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
@@ -62,11 +62,6 @@ def trace_abstractly(fn, args=(), kwargs=None, *, nodes=(), eval_shape=jax.eval_
     return eval_shape(run, *nodes, arrays)
 
 
-def operand_w(kind: str, args):
-    """The operand of an intercepted call that plays W (the second)."""
-    return args[2] if kind == "jnp.einsum" else args[1]
-
-
 class OpCalls:
     """While active (in this thread), ``jax.lax.dot_general``, ``jnp.einsum`` and
     ``jax.lax.ragged_dot`` calls go to a handler: ``handler(kind, original, args, kwargs)``.
@@ -83,17 +78,22 @@ class OpCalls:
     @classmethod
     def _wrapper(cls, kind):
         def call(*args, **kwargs):
-            original = cls._originals[kind]
-            handler = getattr(cls._local, "handler", None)
-            if handler is None or getattr(cls._local, "busy", False):
-                return original(*args, **kwargs)
-            cls._local.busy = True
-            try:
-                return handler(kind, original, args, kwargs)
-            finally:
-                cls._local.busy = False
+            return cls.call(kind, cls._originals[kind], args, kwargs)
 
         return call
+
+    @classmethod
+    def call(cls, kind, original, args, kwargs):
+        """``original(*args, **kwargs)``, a call of ``kind``, through this thread's handler
+        when one is active (and not already handling a call)."""
+        handler = getattr(cls._local, "handler", None)
+        if handler is None or getattr(cls._local, "busy", False):
+            return original(*args, **kwargs)
+        cls._local.busy = True
+        try:
+            return handler(kind, original, args, kwargs)
+        finally:
+            cls._local.busy = False
 
     @classmethod
     @contextlib.contextmanager
@@ -115,6 +115,20 @@ class OpCalls:
                 if cls._active == 0:
                     for kind, (where, name) in _TARGETS.items():
                         setattr(where, name, cls._originals[kind])
+
+
+def _einsum(spec, x, w, **kwargs):
+    return jnp.einsum(spec, x, w, **kwargs)
+
+
+def expert_einsum(spec: str, x, w, **kwargs):
+    """``jnp.einsum(spec, x, w, **kwargs)`` over a stack of experts (``w``'s first letter is
+    the expert axis, which the output keeps): what a model calls where it computes its
+    experts as an einsum, so that fp4lab governs the call as an expert stack (kind
+    ``fp4lab.expert_einsum``, named ``expert_einsum_<n>``) as it governs ``jax.lax.ragged_dot``:
+    the policy's expert rules and default, quantized expert by expert
+    (:func:`fp4lab.qexpert_einsum`). Outside a quantized model it is that einsum."""
+    return OpCalls.call("fp4lab.expert_einsum", _einsum, (spec, x, w), kwargs)
 
 
 class CallCounter:
@@ -151,16 +165,16 @@ def _invocation(module):
     return found
 
 
-def runs_as_written(recipe: Recipe, kind: str, args) -> bool:
+def runs_as_written(recipe: Recipe, kind: str, args, kwargs) -> bool:
     """True when ``recipe`` changes nothing of this call: every operand a plain cast to the
     dtype both operands already have (no rounding, transform, stored copy or history). The
     call then runs as the model wrote it, gradients included: an ``all:bf16`` policy on a
     model computing in BF16 is that model, bit for bit (MaxText's unquantized losses)."""
     if not recipe.is_identity or recipe.needs_key or recipe.delayed is not None:
         return False
-    operands = (args[1] if kind == "jnp.einsum" else args[0]), operand_w(kind, args)
     dtypes = {jnp.dtype(o.format.element.storage) for o in recipe.operands.values()}
-    return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes for a in operands)
+    return len(dtypes) == 1 and all(jnp.result_type(a) in dtypes
+                                    for a in operands(kind, args, kwargs))
 
 
 def _einsum_operands(op_path: str, args) -> tuple:
@@ -174,8 +188,20 @@ def _einsum_operands(op_path: str, args) -> tuple:
 
 
 def _dot_operands(args, kwargs) -> tuple:
-    dims = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
-    return args[0], args[1], dims
+    """``(lhs, rhs, dimension_numbers)`` of an intercepted ``lax.dot_general``, passed by
+    position or by keyword."""
+    bound = dict(zip(("lhs", "rhs", "dimension_numbers"), args, strict=False)) | kwargs
+    return bound["lhs"], bound["rhs"], bound["dimension_numbers"]
+
+
+def operands(kind: str, args, kwargs) -> tuple:
+    """``(X, W)``: the operands of an intercepted call, the first playing X and the second W
+    (passed by position or, ``lax.dot_general`` and ``lax.ragged_dot``, by keyword)."""
+    if kind in ("jnp.einsum", "fp4lab.expert_einsum"):
+        return tuple(args[1:3])
+    if kind == "lax.ragged_dot":
+        return _ragged_operands(kind, args, kwargs)[:2]
+    return _dot_operands(args, kwargs)[:2]
 
 
 def operand_x(op_path: str, kind: str, args, kwargs) -> tuple:
@@ -208,22 +234,22 @@ def expert_count(kind: str, args, kwargs) -> int | None:
     for every other kind of call. An expert stack's probe is stacked per expert."""
     if kind not in EXPERT_KINDS:
         return None
-    return int(jnp.shape(_ragged_operands(kind, args, kwargs)[1])[0])
+    return int(jnp.shape(operands(kind, args, kwargs)[1])[0])
 
 
 def check_expert_recipe(op_path: str, kind: str, recipe: Recipe) -> None:
     """Refuse, by name, what an intercepted ``ragged_dot`` cannot take yet: per-expert state
     that a model's collections would have to hold stacked (delayed scaling's amax histories,
     OutControl's channels)."""
-    if kind != "lax.ragged_dot":
+    if kind not in EXPERT_KINDS:
         return
     for feature, on in (("delayed scaling's amax history", recipe.delayed is not None),
                         ("OutControl's channel split", recipe.outliers is not None)):
         if on:
             raise ValueError(f"op {op_path}: recipe {recipe.name} uses {feature}, which "
                              "fp4lab does not yet keep per expert for an intercepted "
-                             "jax.lax.ragged_dot (fp4lab.qragged_dot takes it stacked); use "
-                             "a rule with another recipe for this expert stack")
+                             f"{kind} (fp4lab.qragged_dot and qexpert_einsum take it "
+                             "stacked); use a rule with another recipe for this expert stack")
 
 
 _EXPERT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -246,8 +272,22 @@ def experts_split_over(axis: str):
         _EXPERT_AXIS.reset(token)
 
 
-def _ragged_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str):
-    lhs, rhs, sizes, out = _ragged_operands(op_path, args, kwargs)
+def device_key(key):
+    """``key`` folded with this device's index along every manual mesh axis of the
+    ``jax.shard_map`` being traced, except the axis the experts are split over
+    (:func:`experts_split_over`, whose experts already draw their own bits): devices holding
+    different tokens then round them with independent bits, as one device would draw for the
+    whole batch. Outside ``shard_map`` (and on axes of one device), ``key`` itself."""
+    split, mesh = _EXPERT_AXIS.get(), jax.sharding.get_abstract_mesh()
+    for axis in mesh.manual_axes:
+        if axis != split and mesh.shape[axis] > 1:
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    return key
+
+
+def _first_expert(op_path: str, recipe: Recipe, rhs, state):
+    """The index in the whole stack of the first expert of ``rhs``: 0, or this device's
+    first under :func:`experts_split_over` (whose refusals are here)."""
     axis, first = _EXPERT_AXIS.get(), 0
     if axis is not None:
         if as_gemm_state(state).probe is not None:
@@ -259,8 +299,22 @@ def _ragged_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str
                              f"expert stack, which is split over mesh axis {axis!r} "
                              "(expert parallelism): each device would share its own")
         first = jax.lax.axis_index(axis) * jnp.shape(rhs)[0]
-    return qragged_dot(lhs, rhs, sizes, recipe, state, first_expert=first, backend=backend,
-                       preferred_element_type=out)
+    return first
+
+
+def _ragged_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str):
+    lhs, rhs, sizes, out = _ragged_operands(op_path, args, kwargs)
+    return qragged_dot(lhs, rhs, sizes, recipe, state,
+                       first_expert=_first_expert(op_path, recipe, rhs, state),
+                       backend=backend, preferred_element_type=out)
+
+
+def _expert_einsum_call(op_path: str, recipe: Recipe, args, kwargs, state, backend: str):
+    spec, x, w = _einsum_operands(op_path, args)
+    return qexpert_einsum(spec, x, w, recipe, state,
+                          first_expert=_first_expert(op_path, recipe, w, state),
+                          backend=backend,
+                          preferred_element_type=kwargs.get("preferred_element_type"))
 
 
 def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, state=None, *,
@@ -270,6 +324,8 @@ def quantized_call(op_path: str, kind: str, recipe: Recipe, args, kwargs, state=
     :class:`~fp4lab.gemm.state.GemmState`); ``op_path`` names it in errors."""
     if kind == "lax.ragged_dot":
         return _ragged_call(op_path, recipe, args, kwargs, state, backend)
+    if kind == "fp4lab.expert_einsum":
+        return _expert_einsum_call(op_path, recipe, args, kwargs, state, backend)
     kw = {k: v for k, v in kwargs.items() if k in ("preferred_element_type", "out_sharding")}
     if kind == "jnp.einsum":
         return qeinsum(*_einsum_operands(op_path, args), recipe, state, backend=backend, **kw)

@@ -41,17 +41,20 @@ into each row), an inf or NaN in one expert's weight never reaches another exper
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4lab.gemm import canonical
+from fp4lab.gemm.einsum import _expand_ellipses, plan_einsum
 from fp4lab.gemm.operand_quant import STACK_AXIS
-from fp4lab.gemm.qdot import _check_operand, _composed
+from fp4lab.gemm.qdot import _check_operand, _composed, planned_gemm
 from fp4lab.gemm.recipe import Recipe, get_recipe
 from fp4lab.gemm.state import GemmState, as_gemm_state, check_gemm_state
 
-__all__ = ["qragged_dot", "expert_keys"]
+__all__ = ["qragged_dot", "qexpert_einsum", "expert_keys"]
 
 
 def expert_keys(key, groups: int, first=0):
@@ -196,3 +199,73 @@ def qragged_dot(lhs, rhs, group_sizes, recipe: str | Recipe = "bf16", state=None
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     return _grouped(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes), state,
                     recipe=recipe, out_dtype=out_dtype, backend=backend, capacity=capacity)
+
+
+class _ExpertSpec(NamedTuple):
+    """An expert einsum split into one expert's: ``spec`` without the expert letter, where
+    the expert axis is in X (None: X is every expert's) and in the output."""
+    spec: str
+    x_axis: int | None
+    out_axis: int
+
+
+def _expert_spec(spec: str, x_shape, w_shape) -> _ExpertSpec:
+    sx, sw, out = _expand_ellipses(spec, len(x_shape), len(w_shape))
+    e = sw[:1]
+    if not e or e not in out or (len(w_shape) and len(sw) != len(w_shape)):
+        raise ValueError(f"qexpert_einsum spec {spec!r}: the weight's first letter is the "
+                         f"expert axis and the output keeps it (as in 'EBCM,EMH->EBCH' or "
+                         f"'BSM,EMH->BSEH'), for weights of shape {tuple(w_shape)}")
+    drop = lambda term: term.replace(e, "")  # noqa: E731
+    return _ExpertSpec(f"{drop(sx)},{drop(sw)}->{drop(out)}",
+                       sx.index(e) if e in sx else None, out.index(e))
+
+
+@functools.partial(jax.jit, static_argnames=("split", "recipe", "out_dtype", "backend"))
+def _expert_einsum(x, w, state, *, split: _ExpertSpec, recipe, out_dtype, backend):
+    def one(xe, we, s):
+        plan = plan_einsum(split.spec, xe.shape, we.shape)
+        dot = canonical.plan(xe.shape, we.shape, plan.dimension_numbers)
+        return jnp.transpose(planned_gemm(xe, we, dot, recipe, out_dtype, backend, s),
+                             plan.out_perm)
+
+    return jax.vmap(one, in_axes=(split.x_axis, 0, 0), out_axes=split.out_axis,
+                    axis_name=STACK_AXIS)(x, w, state)
+
+
+def qexpert_einsum(spec: str, x, w, recipe: str | Recipe = "bf16", state=None, *,
+                   first_expert=0, backend: str = "auto", precision=None,
+                   preferred_element_type=None):
+    """``jnp.einsum(spec, x, w)`` over a stack of experts whose training GEMMs follow
+    ``recipe`` expert by expert: the einsum form of :func:`qragged_dot`, for MoE layers that
+    compute their experts as einsums (MaxText's dense path: ``'EBCM,EMH->EBCH'`` over each
+    expert's capacity slots, ``'BSM,EMH->BSEH'`` with every token through every expert).
+
+    The weight's first letter is the expert axis; the output keeps it and X may (each
+    expert's own rows) or may not (the same X for every expert). It is the loop over experts
+    ``e`` of ``qeinsum(spec without the expert letter, x[e] or x, w[e], recipe, state of e)``
+    with expert ``e``'s key ``fold_in(key, first_expert + e)``, bit for bit (where every
+    expert reads the same X, its gradient is the experts' summed in XLA's order): each expert's
+    operands are tensors of their own (per-tensor scales, stochastic rounding, Hadamard signs),
+    or share the stack's scale under ``expert_scale="shared"``, as in :func:`qragged_dot`.
+    ``state``, ``first_expert``, ``backend``, ``precision`` and ``preferred_element_type``
+    as there (probes, amax histories and channels stacked per expert, measured on all of an
+    expert's rows: a capacity slot's zeros count)."""
+    del precision
+    recipe = get_recipe(recipe)
+    for name, t in (("x", x), ("w", w)):
+        _check_operand(name, t, "qexpert_einsum")
+    split = _expert_spec(spec, jnp.shape(x), jnp.shape(w))
+    groups = jnp.shape(w)[0]
+    x_shape = list(jnp.shape(x))
+    if split.x_axis is not None:
+        if x_shape[split.x_axis] != groups:
+            raise ValueError(f"qexpert_einsum spec {spec!r}: x's expert axis has "
+                             f"{x_shape[split.x_axis]} experts, w {groups}")
+        del x_shape[split.x_axis]
+    plan = plan_einsum(split.spec, tuple(x_shape), jnp.shape(w)[1:])
+    k = canonical.plan(tuple(x_shape), jnp.shape(w)[1:], plan.dimension_numbers).bmkn[2]
+    state = _expert_state(recipe, state, groups, k, backend, first_expert)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
+    return _expert_einsum(jnp.asarray(x), jnp.asarray(w), state, split=split, recipe=recipe,
+                          out_dtype=out_dtype, backend=backend)

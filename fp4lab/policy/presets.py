@@ -44,7 +44,7 @@ def moe_preset(name: str, experts: str | Recipe | None = None,
     want_experts, want_default, _ = MOE_PRESETS[name]
     experts, default = experts or want_experts, default or want_default
     rules = (*_ENDS_IN_BF16,
-             Rule(name="expert stacks (grouped GEMMs)", recipe=experts, kind="lax.ragged_dot",
+             Rule(name="expert stacks (grouped GEMMs)", recipe=experts, kind="experts",
                   required=False),
              Rule(name="expert layers", recipe=experts, pattern=_EXPERT_LAYERS, required=False))
     return PrecisionPolicy(rules=rules, default=default, name=_variant(

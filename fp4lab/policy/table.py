@@ -25,8 +25,10 @@ class ExplainTable(list):
         w = max([len(a.path) for a in self] + [5])
         names = [_recipe_label(a.recipe) for a in self]
         rw = max([len(n) for n in names] + [16])
+        kw = max([len(a.kind or "-") for a in self] + [15])
         lines = [f"policy {self.policy.name}: {len(self)} layers",
-                 f"{'layer'.ljust(w)}  {'kind':15s}  {'block':>5}  {'recipe'.ljust(rw)}  rule"]
+                 f"{'layer'.ljust(w)}  {'kind'.ljust(kw)}  {'block':>5}  "
+                 f"{'recipe'.ljust(rw)}  rule"]
         for a, name in zip(self, names, strict=True):
             rule = "default" if a.rule is None else self.policy.rules[a.rule].label()
             if a.recipe is None:
@@ -35,7 +37,7 @@ class ExplainTable(list):
             blk = "-" if a.block is None else str(a.block)
             if a.stack:
                 blk = f"0-{math.prod(a.stack) - 1}"
-            lines.append(f"{a.path.ljust(w)}  {a.kind or '-':15s}  {blk:>5}  "
+            lines.append(f"{a.path.ljust(w)}  {(a.kind or '-').ljust(kw)}  {blk:>5}  "
                          f"{name.ljust(rw)}  {rule}")
         for i in self.unused:
             r = self.policy.rules[i]

@@ -167,7 +167,7 @@ def test_nnx_moe_is_found_from_example_inputs_and_refused_without_them():
 
     with pytest.warns(PolicyWarning, match="found no GEMM"):  # the router runs as written
         blind = quantize_model(NNXMoE(nnx.Rngs(0)), "all:mxfp8")
-    with pytest.raises(ValueError, match="calls jax.lax.ragged_dot .* quantize_model did not "
+    with pytest.raises(ValueError, match="calls lax.ragged_dot .* quantize_model did not "
                                          "see"):
         blind(x)
 
@@ -278,3 +278,104 @@ def test_experts_split_over_devices_compute_the_one_device_experts():
                                          r"mesh axis 'expert'.*no probes"):
         qm = quantize_model(LinenShardedExperts(mesh), "nvfp4")
         qm.apply({**params, "probes": qm.probe_zeros(params, x)}, x, rngs=key)
+
+
+class NNXShardMapMoE(NNXMoE):
+    """:class:`NNXMoE` with its experts computed under ``jax.shard_map`` (as MaxText computes
+    them), each device routing its share of the tokens (mesh axis ``data``) to every expert."""
+
+    def __init__(self, rngs, mesh):
+        super().__init__(rngs)
+        self.mesh = mesh
+
+    def __call__(self, x):
+        from jax.sharding import PartitionSpec as P
+
+        def local(x, logits, w_up, w_down):
+            rows, sizes, order, weights = _dispatch(x, logits, TOP_K, E)
+            return _combine(_experts(rows, sizes, w_up, w_down, jax.lax.ragged_dot), order,
+                            weights)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P("data"),) * 2 + (P(),) * 2,
+                             out_specs=P("data"))(x, self.router(x), self.w_up[...],
+                                                  self.w_down[...])
+
+
+def test_nnx_experts_under_shard_map_draw_fresh_and_per_device_sr_bits():
+    """NNX state cannot be written inside ``jax.shard_map``: the SR draws of the calls made
+    there advance their counters when the module's method returns. On a 1-device mesh the
+    model computes what it computes without ``shard_map``, bit for bit (NVFP4 with SR,
+    gradients included), and every call draws new bits; on 2 devices each draws its own
+    (two equal halves of the tokens get different weight-gradient rounding)."""
+    from jax.sharding import Mesh
+
+    x = _x(7)
+
+    @nnx.jit
+    def step(model, x):
+        return nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1))(model, x)
+
+    plain = quantize_model(NNXMoE(nnx.Rngs(0)), "nvfp4", x)
+    one = quantize_model(NNXShardMapMoE(nnx.Rngs(0), Mesh(jax.devices()[:1], ("data",))),
+                         "nvfp4", x)
+    for _ in range(2):  # the second call draws the second keys on both
+        for a, b in zip(jax.tree.leaves(step(plain, x)), jax.tree.leaves(step(one, x)),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+    counts = [int(v[...]) for _, v in nnx.iter_graph(one) if isinstance(v, nnx.Variable)
+              and type(v).__name__ == "QuantCounter"]
+    assert counts == [2, 2]  # ragged_dot_0 and _1, one draw a call
+    first, second = (step(one, x)[0]["w_up"][...] for _ in range(2))
+    assert (first != second).any()
+
+    two = quantize_model(NNXShardMapMoE(nnx.Rngs(0), Mesh(jax.devices()[:2], ("data",))),
+                         "nvfp4", jnp.concatenate([x, x]))
+    halves = step(two, jnp.concatenate([x, x]))[1]
+    assert (halves[:T] != halves[T:]).any()  # another device's bits
+    assert np.linalg.norm(halves[:T] - halves[T:]) < 0.3 * np.linalg.norm(halves[:T])
+
+
+class NNXEinsumMoE(nnx.Module):
+    """Experts as einsums (MaxText's dense path: every token through every expert, the
+    top-k weights zero elsewhere) through ``fp4lab.flax.expert_einsum``; ``einsum``: what to
+    call instead (the test's reference)."""
+
+    def __init__(self, rngs, einsum=None):
+        self.einsum = einsum
+        self.router = nnx.Linear(D, E, rngs=rngs)
+        self.w_up = nnx.Param(jax.random.normal(rngs.params(), (E, D, HIDDEN)) * 0.1)
+        self.w_down = nnx.Param(jax.random.normal(rngs.params(), (E, HIDDEN, D)) * 0.1)
+
+    def __call__(self, x):
+        from fp4lab.flax import expert_einsum
+
+        einsum = self.einsum or expert_einsum
+        probs = jax.nn.softmax(self.router(x), axis=-1)
+        top, _ = jax.lax.top_k(probs, TOP_K)
+        weights = jnp.where(probs >= top[:, -1:], probs, 0.0)
+        h = jax.nn.silu(einsum("TM,EMH->TEH", x, self.w_up[...]))
+        return jnp.einsum("TEM,TE->TM", einsum("TEH,EHM->TEM", h, self.w_down[...]), weights)
+
+
+@pytest.mark.parametrize("policy", ["all:mxfp8", "kimi_k3", "all:bf16"])
+def test_nnx_experts_as_einsums_are_expert_stacks(policy):
+    """``expert_einsum`` calls are expert stacks as ``ragged_dot`` calls are: found from
+    example inputs, given the policy's default or its rule of kind ``experts`` (the MoE
+    presets'), computed by ``qexpert_einsum`` expert by expert (forward and gradients
+    equal); the router and the combine einsum stay as written. (On a BF16 model a BF16
+    policy runs the einsums as written: MaxText's losses, tests/fp4lab/test_maxtext.py.)"""
+    x = _x(9)
+    model = quantize_model(NNXEinsumMoE(nnx.Rngs(0)), policy, x)
+    rows = {a.path: a for a in assignments(model)}
+    experts = {"all:mxfp8": "mxfp8", "kimi_k3": fp4lab.policy.MOE_PRESETS["kimi_k3"][0],
+               "all:bf16": "bf16"}[policy]
+    assert set(rows) >= {"expert_einsum_0", "expert_einsum_1"} and "router" not in rows
+    assert {rows[f"expert_einsum_{i}"].recipe.name for i in (0, 1)} == {experts}
+    assert rows["expert_einsum_0"].kind == "fp4lab.expert_einsum"
+    assert not fp4lab.get_recipe(experts).needs_key  # (the reference draws no key)
+    ref = NNXEinsumMoE(nnx.Rngs(0), einsum=functools.partial(fp4lab.qexpert_einsum,
+                                                             recipe=experts))
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+    for a, b in zip(jax.tree.leaves(nnx.grad(loss)(model)), jax.tree.leaves(nnx.grad(loss)(ref)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)

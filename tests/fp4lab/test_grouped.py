@@ -102,9 +102,11 @@ def _exact_dot(a, b, dn):
 @pytest.fixture
 def exact_dot(monkeypatch):
     monkeypatch.setattr(qdot_module, "_dot", _exact_dot)
-    grouped._grouped.clear_cache()  # traced with XLA's dot elsewhere
+    for f in (grouped._grouped, grouped._expert_einsum):  # traced with XLA's dot elsewhere
+        f.clear_cache()
     yield
-    grouped._grouped.clear_cache()
+    for f in (grouped._grouped, grouped._expert_einsum):
+        f.clear_cache()
 
 
 def _state(recipe, key, k=K, groups=3, per_expert=True):
@@ -428,3 +430,72 @@ def test_bad_arguments_are_refused_by_name(call, message):
     x, w, _ = _operands()
     with pytest.raises((ValueError, TypeError), match=message):
         call(x, w, jnp.asarray(GROUP_SIZES, jnp.int32))
+
+
+# each expert's operands: slots (E, B, C, K) and every token (B, S, K), from the adversarial pool
+_SLOTS, _TOKENS = (3, 2, 6, K), (4, 9, K)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8"])
+def test_an_expert_einsum_is_the_loop_of_qeinsum_over_experts(recipe, exact_dot):
+    """``qexpert_einsum``: each expert's GEMM is ``qeinsum`` of its own slice (or of the X
+    every expert shares) with the key ``fold_in(key, first_expert + e)``, forward and
+    gradients bit for bit, for the three forms of MaxText's dense path (X with the expert axis
+    leading, X without it, X with it inside). Where every expert reads the same X, its
+    gradient sums the experts' in XLA's order, not the loop's: equal to float32 rounding."""
+    r = fp4lab.get_recipe(recipe)
+    x, w, dy = _operands(2)
+    key = jax.random.key(3) if r.needs_key else None
+    pool = jnp.concatenate([x, dy])
+    slots = pool[:36].reshape(_SLOTS)
+    tokens = jnp.concatenate([pool, pool[:2]])[:36].reshape(_TOKENS)
+    for spec, xs, one, x_axis, out_axis in [
+            ("EBCM,EMH -> EBCH", slots, "BCM,MH->BCH", 0, 0),
+            ("BSM,EMH->BSEH", tokens, "BSM,MH->BSH", None, 2),
+            ("BSEM,EMH->BSEH", jnp.moveaxis(slots, 0, 2), "BSM,MH->BSH", 2, 2)]:
+        def dy_like(f, a, b):  # a gradient of the output's shape, sign and scale mixed
+            return jax.random.normal(jax.random.key(1), jax.eval_shape(f, a, b).shape) * 3
+
+        def mine(a, b, spec=spec):
+            return grouped.qexpert_einsum(spec, a, b, r, key, first_expert=2)
+
+        got = jax.jit(lambda a, b, f=mine: _grads(f, a, b, dy_like(f, a, b)))(xs, w)
+
+        def loop(a, b, one=one, x_axis=x_axis, out_axis=out_axis):
+            ys = [fp4lab.qeinsum(one, a if x_axis is None else jnp.take(a, e, x_axis), b[e],
+                                 r, None if key is None else jax.random.fold_in(key, 2 + e))
+                  for e in range(3)]
+            return jnp.stack(ys, out_axis)
+
+        want = jax.jit(lambda a, b, f=loop: _grads(f, a, b, dy_like(f, a, b)))(xs, w)
+        for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+            if what == "dx" and x_axis is None:  # the experts' dX summed in XLA's order
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
+            else:
+                assert_same_bits(a, b, f"{recipe} {spec} {what}")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_shared_scale"])
+def test_an_expert_einsum_over_full_slots_is_qragged_dot_over_their_rows(recipe, exact_dot):
+    """Slots every expert fills are ``qragged_dot``'s rows in another layout: the same bits,
+    forward and gradients, per-expert or shared scales alike."""
+    x, w, dy = _operands(4)
+    rows, grads = x[:36], dy[:36]
+    key = jax.random.key(9)
+    sizes = jnp.full((3,), 12, jnp.int32)
+    got = _grads(lambda a, b: grouped.qexpert_einsum("ERK,EKN->ERN", a, b, recipe, key),
+                 rows.reshape(3, 12, K), w, grads.reshape(3, 12, N))
+    want = _grads(lambda a, b: qragged_dot(a, b, sizes, recipe, key), rows, w, grads)
+    for what, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert_same_bits(np.asarray(a).reshape(np.shape(b)), b, f"{recipe} {what}")
+
+
+@pytest.mark.parametrize("spec, shapes, message", [
+    ("BSM,MEH->BSEH", ((2, 3, K), (K, 3, N)), r"the weight's first letter is the expert axis"),
+    ("BSM,EMH->BSH", ((2, 3, K), (3, K, N)), r"the output keeps it"),
+    ("EBM,EMH->EBH", ((2, 3, K), (3, K, N)), r"x's expert axis has 2 experts, w 3"),
+])
+def test_a_bad_expert_einsum_is_refused_by_name(spec, shapes, message):
+    a, b = (jnp.zeros(s, jnp.float32) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        grouped.qexpert_einsum(spec, a, b, "mxfp8")
