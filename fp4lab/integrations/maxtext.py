@@ -151,6 +151,7 @@ def quantize(model, config, options: Options):
         raise ValueError(f"quantization={given!r} (MaxText's own quantization) "
                          f"and fp4lab.policy={options.policy!r} would both quantize the "
                          "GEMMs: drop one")
+    _check_experts(config, options)
     shape = (config.micro_batch_size_to_train_on, config.max_target_length)
     tokens = jnp.ones(shape, jnp.int32)
     kwargs = {"enable_dropout": False}
@@ -178,6 +179,21 @@ def quantize(model, config, options: Options):
     return model
 
 
+def _check_experts(config, options: Options) -> None:
+    """Refuse the MoE configurations whose expert GEMMs the policy would not reach: MaxText's
+    grouped-GEMM kernels (``megablox``, ``use_tokamax_gmm``) compute the experts in Pallas
+    kernels that call no ``jax.lax.ragged_dot``."""
+    if config.num_experts <= 1:
+        return
+    kernel = [k for k in ("megablox", "use_tokamax_gmm") if getattr(config, k)]
+    if config.sparse_matmul and kernel:
+        raise ValueError(f"{kernel[0]}=True computes MaxText's experts (num_experts="
+                         f"{config.num_experts}) in grouped-GEMM kernels that "
+                         f"fp4lab.policy={options.policy!r} cannot reach; set megablox=False "
+                         "use_tokamax_gmm=False (MaxText's jax.lax.ragged_dot path, which "
+                         "fp4lab quantizes expert by expert)")
+
+
 _logged: set[str] = set()
 
 
@@ -195,6 +211,7 @@ def install(options: Options) -> None:
 
     linears, quantizations = _maxtext()
     register_layer(linears.DenseGeneral, "densegeneral")
+    _govern_einsum_experts()
     original = getattr(quantizations.maybe_quantize_model, "__wrapped__",
                        quantizations.maybe_quantize_model)
 
@@ -205,6 +222,27 @@ def install(options: Options) -> None:
     quantizations.maybe_quantize_model = maybe_quantize_model
     if options.probes:
         _log_probes(probe_metrics(options))
+
+
+def _govern_einsum_experts() -> None:
+    """Make MaxText's dense MoE path (``sparse_matmul=False``) compute its expert stacks
+    (the ``wi_0``, ``wi_1`` and ``wo`` einsums of ``RoutedMoE.get_einsum``) through
+    :func:`fp4lab.flax.expert_einsum`: the same einsum, which the policy governs as an expert
+    stack (its dispatch and combine einsums, 0/1 masks, stay as written)."""
+    import jax.numpy as jnp
+    from maxtext.layers import moe
+
+    from fp4lab.flax import expert_einsum
+
+    original = getattr(moe.RoutedMoE.get_einsum, "__wrapped__", moe.RoutedMoE.get_einsum)
+
+    def get_einsum(self, rhs_mesh_axes=(), einsum_name=None):
+        op = original(self, rhs_mesh_axes, einsum_name)
+        experts = einsum_name in (moe.WI_0, moe.WI_1, moe.WO)
+        return expert_einsum if experts and op is jnp.einsum else op
+
+    get_einsum.__wrapped__ = original
+    moe.RoutedMoE.get_einsum = get_einsum
 
 
 def _log_probes(metrics: tuple[str, ...]) -> None:

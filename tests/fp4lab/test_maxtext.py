@@ -318,7 +318,9 @@ class TinyLM(nnx.Module):  # MaxText's Transformer's call signature, on two NNX 
 def config(**kw):
     return SimpleNamespace(**{"quantization": "", "micro_batch_size_to_train_on": 2,
                               "max_target_length": 8, "mtp_num_layers": 0,
-                              "gradient_accumulation_steps": 1, **kw})
+                              "gradient_accumulation_steps": 1, "num_experts": 1,
+                              "sparse_matmul": True, "megablox": True,
+                              "use_tokamax_gmm": False, **kw})
 
 
 def test_what_maxtexts_train_step_cannot_serve_is_refused():
@@ -334,3 +336,10 @@ def test_what_maxtexts_train_step_cannot_serve_is_refused():
                  Options(policy="all:nvfp4", probes="all"))
     m = quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:nvfp4"))
     assert [a.recipe.name for a in assignments(m)] == ["nvfp4", "nvfp4"]
+    # experts in MaxText's kernels: out of the policy's reach, refused by name
+    for kw, says in [({}, "megablox=True computes MaxText's experts .* set megablox=False"),
+                     ({"megablox": False, "use_tokamax_gmm": True}, "use_tokamax_gmm=True")]:
+        with pytest.raises(ValueError, match=says):
+            quantize(TinyLM(nnx.Rngs(0)), config(num_experts=4, **kw), Options())
+    for kw in ({"megablox": False}, {"sparse_matmul": False}):
+        quantize(TinyLM(nnx.Rngs(0)), config(num_experts=4, **kw), Options())
