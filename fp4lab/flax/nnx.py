@@ -19,8 +19,8 @@ from flax import nnx
 
 from fp4lab.features.delayed import init_history, update
 from fp4lab.flax.internals import OverwriteWithGradient, nnx_calling_module, swap_class
-from fp4lab.flax.ops import (CallCounter, OpCalls, device_key, expert_count, quantized_call,
-                             runs_as_written, trace_abstractly)
+from fp4lab.flax.ops import (CallCounter, OpCalls, device_key, device_mean, expert_count,
+                             quantized_call, runs_as_written, trace_abstractly)
 from fp4lab.features.probes import probe_table, probe_zeros
 from fp4lab.policy.rules import EXPERT_KINDS
 from fp4lab.gemm.qdot import qdot_general, qeinsum
@@ -166,10 +166,11 @@ class _QuantizedGemm(nnx.Module):
         return self.amax_history[...] if self.recipe.delayed is not None else None
 
     def _state(self) -> GemmState:
-        """The SR key, probe and amax history of this call."""
+        """The SR key, probe and amax history of this call (a probe read inside
+        ``shard_map`` as :func:`device_mean` says)."""
         probe = getattr(self, "probe", None)
-        return GemmState(key=self._key(), probe=None if probe is None else probe[...],
-                         amax_history=self._history())
+        return GemmState(key=self._key(), probe=None if probe is None else device_mean(
+            probe[...]), amax_history=self._history())
 
 
 class QuantDot(_QuantizedGemm):

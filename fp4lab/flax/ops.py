@@ -29,7 +29,7 @@ from fp4lab.policy.rules import EXPERT_KINDS
 
 __all__ = ["OpCalls", "CallCounter", "quantized_call", "runs_as_written", "NONE_FOUND",
            "trace_abstractly", "operands", "expert_count", "check_expert_recipe",
-           "experts_split_over", "device_key", "expert_einsum"]
+           "experts_split_over", "device_key", "device_mean", "expert_einsum"]
 
 # why a policy can find no GEMM in a model (the end of its PolicyWarning)
 NONE_FOUND = (": it has no Dense/DenseGeneral/Einsum (Linen) or Linear/LinearGeneral/Einsum "
@@ -283,6 +283,16 @@ def device_key(key):
         if axis != split and mesh.shape[axis] > 1:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
     return key
+
+
+def device_mean(probe):
+    """A probe read inside the ``jax.shard_map`` being traced: scaled by one over its number
+    of devices. A value the ``shard_map`` closes over gets the sum of the devices'
+    gradients, so the probe's gradient (each device's metrics of its own share) becomes
+    their mean, not their sum. Outside ``shard_map``, ``probe`` itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = int(np.prod([mesh.shape[a] for a in mesh.manual_axes]))
+    return probe if n == 1 else probe * jnp.asarray(1 / n, probe.dtype)
 
 
 def _first_expert(op_path: str, recipe: Recipe, rhs, state):

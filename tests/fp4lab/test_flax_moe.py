@@ -379,3 +379,25 @@ def test_nnx_experts_as_einsums_are_expert_stacks(policy):
     for a, b in zip(jax.tree.leaves(nnx.grad(loss)(model)), jax.tree.leaves(nnx.grad(loss)(ref)),
                     strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_probes_of_experts_under_shard_map_are_the_devices_mean():
+    """A probe read inside ``jax.shard_map`` gets the sum of the devices' gradients, which
+    fp4lab makes their mean: two devices each holding the same tokens report the metrics one
+    device reports for them (MXFP8: no SR, so every operand's are equal), not twice them."""
+    from jax.sharding import Mesh
+
+    x = _x(3)
+
+    def records(model, x):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2),
+                         argnums=nnx.DiffState(0, fp4lab.flax.nnx.QuantProbe))(model)
+        return fp4lab.flax.nnx.probe_records(model, grads)
+
+    one = records(quantize_model(NNXMoE(nnx.Rngs(0)), "all:mxfp8", x, probes=True), x)
+    two = quantize_model(NNXShardMapMoE(nnx.Rngs(0), Mesh(jax.devices()[:2], ("data",))),
+                         "all:mxfp8", jnp.concatenate([x, x]), probes=True)
+    two = records(two, jnp.concatenate([x, x]))
+    assert set(one) == set(two) and len(one) == 2 * E
+    for name in one:
+        assert one[name] == two[name], name
