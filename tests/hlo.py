@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -20,6 +21,18 @@ def collectives(hlo: str) -> Counter:
         shapes = _ARRAY.findall(m.group("shape"))
         one = [all(d == "1" for d in s.split(",") if d) for s in shapes]
         found[m.group("kind"), bool(one) and all(one)] += 1
+    return found
+
+
+def moved_elements(hlo: str) -> Counter:
+    """The elements the tensor-moving collectives of ``hlo`` return, summed by kind (an
+    async pair counts once): what they move, however XLA groups them into instructions."""
+    found = Counter()
+    for m in _OP.finditer(hlo):
+        sizes = [math.prod(int(d) for d in s.split(",") if d) for s in
+                 _ARRAY.findall(m.group("shape"))]
+        if any(n > 1 for n in sizes):
+            found[m.group("kind")] += sum(sizes)
     return found
 
 
