@@ -21,6 +21,10 @@ Run it with MaxText's Python (``sh scripts/maxtext-venv`` builds one):
     .venv-maxtext/bin/python benchmarks/maxtext_step.py [--rounds 3] [--steps 12] \\
         [--variants maxtext,fp4lab:all:nvfp4,qwix:fp8] [--out maxtext_step.json]
 
+``--experts 4`` benchmarks MaxText's MoE (mixtral blocks, ``--experts-per-tok`` experts per
+token, each as wide as ``--mlp``) through its ``jax.lax.ragged_dot`` path, ``--moe-dense``
+through its einsums.
+
 ``--profile`` runs each variant once under MaxText's profiler instead and prints where its
 step's time goes (GEMMs, each operand's quantizer, collectives, the rest; see
 ``benchmarks/profile_step.py``).
@@ -62,7 +66,11 @@ def model_args(args) -> list[str]:
         f"vocab_size={args.vocab}", f"max_target_length={args.seq}",
         f"per_device_batch_size={args.batch}", f"ici_fsdp_parallelism={args.fsdp}",
         f"ici_tensor_parallelism={args.tensor}",
-    ]
+    ] + ([  # MaxText's MoE (mixtral blocks): its ragged_dot path, or its einsums (--moe-dense)
+        "decoder_block=mixtral", f"num_experts={args.experts}",
+        f"num_experts_per_tok={args.experts_per_tok}", f"base_moe_mlp_dim={args.mlp}",
+        "megablox=False", f"sparse_matmul={not args.moe_dense}",
+    ] if args.experts else [])
 
 
 def variant_argv(variant: str, base_yml: str) -> list[str]:
@@ -252,6 +260,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1, help="per_device_batch_size")
     ap.add_argument("--fsdp", type=int, default=2, help="ici_fsdp_parallelism")
     ap.add_argument("--tensor", type=int, default=2, help="ici_tensor_parallelism")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="MoE experts per layer (0: MaxText's dense MLP)")
+    ap.add_argument("--experts-per-tok", type=int, default=2, help="num_experts_per_tok")
+    ap.add_argument("--moe-dense", action="store_true",
+                    help="MaxText's dense MoE path (its experts as einsums)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round orders")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--python", default=sys.executable, help="MaxText's Python")

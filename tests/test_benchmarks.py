@@ -54,13 +54,13 @@ def test_quantize_benchmark_modes(capsys, monkeypatch):
 @pytest.mark.slow
 def test_maxtext_step_benchmark_runs_each_kind_of_variant(tmp_path):
     """benchmarks/maxtext_step.py in MaxText's environment, one round of 3 steps of a 1-layer
-    model: the baseline, an fp4lab policy and MaxText's qwix quantization all run, and the
-    JSON holds their kept step times and the table."""
+    MoE model (2 experts): the baseline, an fp4lab policy and MaxText's qwix quantization all
+    run, and the JSON holds their kept step times and the table."""
     out = tmp_path / "step.json"
     cmd = [str(python_of(MAXTEXT)), str(BENCH / "maxtext_step.py"), "--variants",
            "maxtext,fp4lab:all:bf16,qwix:int8", "--rounds", "1", "--steps", "3", "--emb", "64",
            "--mlp", "128", "--layers", "1", "--heads", "2", "--head-dim", "32", "--seq", "64",
-           "--out", str(out)]
+           "--experts", "2", "--experts-per-tok", "1", "--out", str(out)]
     with (tmp_path / "out").open("w") as stdout, (tmp_path / "err").open("w") as stderr:
         code = subprocess.run(cmd, stdout=stdout, stderr=stderr, timeout=300,
                               cwd=tmp_path).returncode

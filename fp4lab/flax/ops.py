@@ -2,11 +2,12 @@
 inside modules, as qwix does: the machinery that Linen's
 :class:`~fp4lab.flax.linen.QuantizedLinen` and NNX's :func:`~fp4lab.flax.quantize_model` share.
 
-A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``, ``ragged_dot_<n>``): ``n``
-counts the calls of that kind the module made so far in one invocation of it
-(:class:`CallCounter`), so the names are places in the module's code, whichever transform
-traces it and however often it is called. The first operand plays X and the second W (a
-``ragged_dot``'s expert stack, quantized expert by expert by :func:`fp4lab.qragged_dot`).
+A call is named ``<module path>/einsum_<n>`` (``dot_general_<n>``, ``ragged_dot_<n>``,
+``expert_einsum_<n>``): ``n`` counts the calls of that kind the module made so far in one
+invocation of it (:class:`CallCounter`), so the names are places in the module's code, whichever
+transform traces it and however often it is called. The first operand plays X and the second W
+(an expert stack of a ``ragged_dot`` or :func:`expert_einsum`, quantized expert by expert by
+:func:`fp4lab.qragged_dot` / :func:`fp4lab.qexpert_einsum`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def trace_abstractly(fn, args=(), kwargs=None, *, nodes=(), eval_shape=jax.eval_
 
 class OpCalls:
     """While active (in this thread), ``jax.lax.dot_general``, ``jnp.einsum`` and
-    ``jax.lax.ragged_dot`` calls go to a handler: ``handler(kind, original, args, kwargs)``.
+    ``jax.lax.ragged_dot`` calls go to a handler: ``handler(kind, original, args, kwargs)``
+    (and :func:`expert_einsum` calls, which ask for it through :meth:`call`).
     The names are patched only while some thread has a handler; calls from other threads, and
     the calls the handler itself makes (fp4lab's own GEMMs use ``lax.dot_general``), go to
     the originals. Only calls through these attributes are seen: ``x @ w`` and

@@ -381,6 +381,26 @@ def test_nnx_experts_as_einsums_are_expert_stacks(policy):
         np.testing.assert_array_equal(a, b)
 
 
+class LinenEinsumExperts(nn.Module):
+    einsum: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.1), (E, D, HIDDEN))
+        return (self.einsum or fp4lab.flax.expert_einsum)("TM,EMH->TEH", x, w)
+
+
+def test_linen_experts_as_einsums_are_expert_stacks():
+    x = _x(2)
+    params = LinenEinsumExperts().init(jax.random.key(1), x)
+    qm = quantize_model(LinenEinsumExperts(), "all:mxfp8")
+    [row] = qm.explain(params, x)
+    assert (row.path, row.kind, row.recipe.name) == ("expert_einsum_0", "fp4lab.expert_einsum",
+                                                      "mxfp8")
+    ref = LinenEinsumExperts(functools.partial(fp4lab.qexpert_einsum, recipe="mxfp8"))
+    np.testing.assert_array_equal(qm.apply(params, x), ref.apply(params, x))
+
+
 def test_probes_of_experts_under_shard_map_are_the_devices_mean():
     """A probe read inside ``jax.shard_map`` gets the sum of the devices' gradients, which
     fp4lab makes their mean: two devices each holding the same tokens report the metrics one

@@ -187,18 +187,21 @@ def test_all_bf16_is_maxtexts_model_nvfp4_trains_resumes_and_runs_on_two_process
 
 
 @pytest.mark.slow
-def test_nemotron3_keeps_its_bf16_layers_in_maxtext(maxtext_python, tmp_path):
-    """The preset means in MaxText what it means on the hybrid LM: attention projections,
-    the last 15 % of the blocks and the logits layer in BF16. Its depth rule needs unstacked
+def test_nemotron3_keeps_its_bf16_layers_in_maxtexts_moe(maxtext_python, tmp_path):
+    """The README's command: the preset means in MaxText's MoE what it means on the hybrid
+    LM: expert stacks in NVFP4, attention projections, the last 15 % of the blocks and the
+    logits layer in BF16, the router as MaxText computes it. Its depth rule needs unstacked
     layers; on scanned ones it is refused, naming scan_layers=False
     (test_refusals_of_the_models_build_are_one_line)."""
-    run = train(maxtext_python, tmp_path, "nemotron3", "steps=2", "scan_layers=False",
+    run = train(maxtext_python, tmp_path, "nemotron3", "steps=2", *MOE, "scan_layers=False",
                 "fp4lab.policy=nemotron3")
     recipes = {path: recipe for path, (_, recipe) in table(run.stdout).items()}
-    assert recipes["decoder/layers_0/mlp/wo"] == "nvfp4"
+    for i in range(3):
+        assert recipes[f"decoder/layers_0/MoeBlock_0/ragged_dot_{i}"] == "nvfp4"
+        assert recipes[f"decoder/layers_1/MoeBlock_0/ragged_dot_{i}"] == "bf16"  # the tail
     assert recipes["decoder/layers_0/self_attention/query"] == "bf16"
-    assert recipes["decoder/layers_1/mlp/wo"] == "bf16"  # the last 15 % of 2 blocks
     assert recipes["decoder/logits_dense"] == "bf16"
+    assert not any("gate" in path for path in recipes)
     assert np.all(np.isfinite(losses(tmp_path, "nemotron3")))
 
 
