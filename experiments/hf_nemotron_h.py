@@ -89,10 +89,13 @@ import numpy as np
 from experiments.engines import split_columns
 from experiments.model import ModelConfig, RMSNorm
 
-__all__ = ["UNSUPPORTED", "HF_BLOCKS", "check_expressible", "hf_config", "hf_name",
+__all__ = ["UNSUPPORTED", "HF_BLOCKS", "ZERO_SHARED", "check_expressible", "hf_config", "hf_name",
            "hf_layout", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
 
-HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}  # 5.24's names
+HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # 5.24's
+# the width of the all-zero shared expert written for MoE blocks without one (transformers
+# builds a shared expert in every MoE block, and a width of 0 would mean the dense MLP's)
+ZERO_SHARED = 16
 
 # option -> (is the forward NemotronH cannot compute?, why)
 UNSUPPORTED = {
@@ -104,6 +107,18 @@ UNSUPPORTED = {
     "attention_accumulate": (lambda c: c.attention == "flash"
                              and c.attention_accumulate != "fp32",
                              "flash attention's P.V with BF16 roundings"),
+    # MoE blocks: NemotronH routes by sigmoid scores, their bias choosing but not weighing,
+    # the chosen scores normalized (moe.route's sigmoid), in float32, over its grouped top-k
+    "moe_router": (lambda c: "E" in c.pattern and c.moe_router != "sigmoid" and (
+        c.moe_top_k > 1 or c.moe_bias_rate > 0),
+        "softmax routing weights (NemotronH weighs the chosen experts by sigmoid scores; "
+        "softmax is expressible only with one expert per token and no routing bias)"),
+    "moe_experts": (lambda c: "E" in c.pattern and c.moe_experts < 2,
+                    "fewer than 2 experts (NemotronH's grouped top-k sums a group's best two)"),
+    "moe_router_dtype": (lambda c: "E" in c.pattern and c.moe_router_dtype != "float32",
+                         "router logits below float32 (NemotronH's router is float32)"),
+    "moe_dispatch": (lambda c: "E" in c.pattern and bool(c.moe_dispatch),
+                     "the experts' rows rounded to a low precision on their way to them"),
 }
 
 _TOP = {"embed/embedding": "model.embeddings.weight", "final_norm/scale": "model.norm_f.weight",
@@ -115,7 +130,14 @@ _MIXER = {  # a block's mixer parameter (after hf_layout) -> NemotronH's name un
     "attention": {"q_proj/kernel": "q_proj.weight", "k_proj/kernel": "k_proj.weight",
                   "v_proj/kernel": "v_proj.weight", "out/kernel": "o_proj.weight"},
     "mlp": {"up/kernel": "up_proj.weight", "down/kernel": "down_proj.weight"},
+    "moe": {"router/kernel": "gate.weight", "router_bias": "gate.e_score_correction_bias",
+            "latent_down/kernel": "fc1_latent_proj.weight",
+            "latent_up/kernel": "fc2_latent_proj.weight",
+            "shared_expert/up/kernel": "shared_experts.up_proj.weight",
+            "shared_expert/down/kernel": "shared_experts.down_proj.weight"},
 }
+_EXPERT = re.compile(r"experts/(\d+)/(up|down)/kernel")  # one expert of a stack (hf_layout)
+_FLOAT32 = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")  # kept so by NemotronH
 _MTP = ("mtp_proj/", "mtp_block/", "mtp_norm_h/", "mtp_norm_e/", "mtp_head/")
 
 
@@ -160,8 +182,20 @@ def hf_config(cfg: ModelConfig, *, max_positions: int) -> dict:
         "layer_norm_epsilon": RMSNorm.eps, "residual_in_fp32": True,
         "num_nextn_predict_layers": 0,  # the MTP head is left out
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "use_cache": True, "dtype": cfg.dtype,
+        "use_cache": True, "dtype": cfg.dtype, **(_moe_config(cfg) if "E" in cfg.pattern else {}),
     }
+
+
+def _moe_config(cfg: ModelConfig) -> dict:
+    """NemotronH's MoE keys: ``moe_experts`` routed experts, ``moe_top_k`` per token by
+    sigmoid scores (one group, the chosen scores normalized, unscaled), experts of
+    :attr:`ModelConfig.expert_width` (on ``moe_latent`` features when set), one shared expert (an all-zero
+    one of :data:`ZERO_SHARED` without ``moe_shared``)."""
+    return {"n_routed_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+            "moe_intermediate_size": cfg.expert_width, "n_shared_experts": 1,
+            "moe_shared_expert_intermediate_size": cfg.expert_width if cfg.moe_shared
+            else ZERO_SHARED, "moe_latent_size": cfg.moe_latent or None, "n_group": 1,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
 
 
 def hf_name(path: str) -> str:
@@ -169,11 +203,14 @@ def hf_name(path: str) -> str:
     (``blocks_2/attention/q_proj/kernel`` -> ``model.layers.2.mixer.q_proj.weight``)."""
     if path in _TOP:
         return _TOP[path]
-    m = re.fullmatch(r"blocks_(\d+)/(norm/scale|(mamba|attention|mlp)/(.+))", path)
+    m = re.fullmatch(r"blocks_(\d+)/(norm/scale|(mamba|attention|mlp|moe)/(.+))", path)
     if m and m[2] == "norm/scale":
         return f"model.layers.{m[1]}.norm.weight"
     if m and m[4] in _MIXER[m[3]]:
         return f"model.layers.{m[1]}.mixer.{_MIXER[m[3]][m[4]]}"
+    expert = m and m[3] == "moe" and _EXPERT.fullmatch(m[4])
+    if expert:
+        return f"model.layers.{m[1]}.mixer.experts.{expert[1]}.{expert[2]}_proj.weight"
     raise ValueError(f"{path=}: no NemotronH tensor for it")
 
 
@@ -195,11 +232,28 @@ def hf_layout(weights: dict, cfg: ModelConfig) -> dict:
                         for n, v in zip("qkv", split_columns(value, [d, d, d]), strict=True)})
         elif leaf == "conv_kernel":
             out[f"{layer}/conv1d/weight"] = np.ascontiguousarray(np.asarray(value).T[:, None])
+        elif layer.endswith("/moe/experts"):  # a stack [E, in, out]: one kernel per expert
+            out.update({f"{layer}/{j}/{leaf}/kernel": np.asarray(w)
+                        for j, w in enumerate(np.asarray(value))})
         else:
             out[path] = value
+    for i, kind in enumerate(cfg.pattern):
+        if kind == "E":
+            out.update({k: v for k, v in _moe_stand_ins(cfg, f"blocks_{i}/moe").items()
+                        if k not in out})
     for path in out:
         hf_name(path)  # every tensor has a name before anything is written
     return out
+
+
+def _moe_stand_ins(cfg: ModelConfig, block: str) -> dict[str, np.ndarray]:
+    """What NemotronH's MoE block has and the hybrid LM's may lack, as the same computation:
+    a zero routing bias (without ``moe_bias_rate``), an all-zero shared expert of
+    :data:`ZERO_SHARED` (without ``moe_shared``: ``relu(0)^2 = 0`` adds nothing)."""
+    d = cfg.d_model
+    return {f"{block}/router_bias": np.zeros(cfg.moe_experts, np.float32),
+            f"{block}/shared_expert/up/kernel": np.zeros((d, ZERO_SHARED), np.float32),
+            f"{block}/shared_expert/down/kernel": np.zeros((ZERO_SHARED, d), np.float32)}
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -274,8 +328,10 @@ def write_bf16(params, cfg: ModelConfig, out, *, max_positions: int,
     laid = hf_layout(_flat(params), cfg)
     tensors = {}
     for path, value in laid.items():
-        a = np.asarray(value, np.float32).astype(ml_dtypes.bfloat16)
-        tensors[hf_name(path)] = np.ascontiguousarray(a.T if path.endswith("/kernel") else a)
+        name = hf_name(path)
+        a = np.asarray(value, np.float32)
+        a = a if name.endswith(_FLOAT32) else a.astype(ml_dtypes.bfloat16)
+        tensors[name] = np.ascontiguousarray(a.T if path.endswith("/kernel") else a)
     with _Folder(out) as tmp:
         _write_config(tmp, cfg, max_positions, _meta(cfg, "bf16", metadata))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -292,6 +348,10 @@ def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
     from fp4lab import export
 
     check_expressible(cfg)
+    if "E" in cfg.pattern:
+        raise ValueError(f"layout {layout!r}: the pattern {cfg.pattern!r} has MoE blocks, "
+                         "whose expert stacks fp4lab does not yet write quantized; export "
+                         "them with --layout bf16")
     laid = hf_layout(export.quantized_weights({"params": params}, record), cfg)
     with _Folder(out) as tmp:
         meta = _meta(cfg, layout, metadata)

@@ -71,8 +71,7 @@ def param_count(cfg) -> int:
 
 def _moe_widths(cfg) -> tuple[int, int]:
     """An MoE block's expert input width (the latent one, if any) and hidden width."""
-    d = cfg.d_model
-    return cfg.moe_latent or d, cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
+    return cfg.moe_latent or cfg.d_model, cfg.expert_width
 
 
 def _moe_params(cfg) -> int:

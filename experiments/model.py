@@ -245,6 +245,12 @@ class ModelConfig:
                              f"ssm_state_format={self.ssm_state_format!r}: nearest, or "
                              "stochastic for a format below FP32")
 
+    @property
+    def expert_width(self) -> int:
+        """The width of an MoE block's experts (and of its shared expert): ``moe_hidden``,
+        else the dense MLP's width over ``moe_top_k``."""
+        return self.moe_hidden or self.mlp_mult * self.d_model // self.moe_top_k
+
 
 class RMSNorm(nn.Module):
     eps: float = 1e-6
@@ -460,7 +466,7 @@ class MoE(nn.Module):
         weights_TxK, experts_TxK, probs_TxE = moe.route(logits_TxE, cfg.moe_top_k,
                                                         cfg.moe_router, bias_E)
         z_TxZ = _dense(cfg.moe_latent, "latent_down", dtype)(x_TxD) if cfg.moe_latent else x_TxD
-        hidden = cfg.moe_hidden or cfg.mlp_mult * d // cfg.moe_top_k
+        hidden = cfg.expert_width
         y_TxD = Experts(cfg, hidden, name="experts")(z_TxZ, experts_TxK, weights_TxK).astype(
             dtype)
         if cfg.moe_latent:

@@ -215,3 +215,74 @@ def test_forward_only_options_and_the_mtp_head_are_accepted_and_the_mtp_head_lef
                                       qkv[:, 32 * i: 32 * (i + 1)])
     with pytest.raises(ValueError, match="path='blocks_0/mamba/nope'"):
         hf_name("blocks_0/mamba/nope")
+
+
+MOE_BLOCK = dict(pattern="M*E", d_model=32, num_heads=2, moe_experts=4, moe_top_k=2,
+                 moe_router="sigmoid", moe_bias_rate=0.01, moe_latent=16)
+
+
+def test_the_moe_hybrid_is_laid_out_as_nemotron_h_moe():
+    """An MoE block's tensors under NemotronH's names: the router (and its bias) as
+    ``gate``, each expert of a stack as its own ``experts.<j>.up_proj``/``down_proj``
+    ``[out, in]``, the latent projections; an all-zero shared expert and zero bias stand in
+    for what the block lacks, and options NemotronH cannot route are refused by name."""
+    cfg = ModelConfig(**{**MOE_BLOCK, "moe_bias_rate": 0.0})
+    params = HybridLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    laid = hf_layout(flat, cfg)
+    mixer = "model.layers.2.mixer."
+    names = {hf_name(p) for p in laid if p.startswith("blocks_2/")}
+    assert names == {"model.layers.2.norm.weight", *(mixer + n for n in (
+        "gate.weight", "gate.e_score_correction_bias", "fc1_latent_proj.weight",
+        "fc2_latent_proj.weight", "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight")), *(f"{mixer}experts.{j}.{n}_proj.weight"
+                                                for j in range(4) for n in ("up", "down"))}
+    np.testing.assert_array_equal(laid["blocks_2/moe/experts/3/up/kernel"],
+                                  flat["blocks_2/moe/experts/up"][3])
+    assert not laid["blocks_2/moe/router_bias"].any()
+    assert not laid["blocks_2/moe/shared_expert/down/kernel"].any()
+    for option, value in [("moe_router", "softmax"), ("moe_experts", 1),
+                          ("moe_router_dtype", "bfloat16"), ("moe_dispatch", "mxfp8")]:
+        keys = {**MOE_BLOCK, option: value, **({"moe_top_k": 1} if option == "moe_experts"
+                                               else {})}
+        with pytest.raises(ValueError, match=f"model option {option}="):
+            check_expressible(ModelConfig(**keys))
+    check_expressible(ModelConfig(**{**MOE_BLOCK, "moe_router": "softmax", "moe_top_k": 1,
+                                     "moe_bias_rate": 0.0}))  # top-1 softmax: weight 1
+
+
+@pytest.mark.slow
+def test_transformers_serves_the_moe_hybrid_with_fp4labs_logits(tmp_path):
+    """A Mamba-attention-MoE hybrid (LatentMoE, sigmoid routing with a routing bias that
+    changes the choice of experts) written as a BF16 NemotronH folder: transformers' own
+    NemotronH MoE computes fp4lab's float32 forward on the BF16 weights (its router and bias
+    kept float32), within float32 rounding, every tensor loaded."""
+    cfg = ModelConfig(**MOE_BLOCK, dtype="float32")
+    params = HybridLM(cfg).init(jax.random.key(3), jnp.zeros((1, 4), jnp.int32))["params"]
+    bias = jax.random.normal(jax.random.key(4), (4,)) * 0.5  # picks other experts
+    params = {**params, "blocks_2": {**params["blocks_2"], "moe": {
+        **params["blocks_2"]["moe"], "router_bias": bias}}}
+    folder = write_bf16({"params": params}, cfg, tmp_path / "moe", max_positions=16)
+    tokens = np.asarray(jax.random.randint(jax.random.key(5), (2, 16), 0, 256))
+    np.save(tmp_path / "tokens.npy", tokens)
+    done = subprocess.run([str(python_of(CONSUMERS)), str(ROOT / "tests" / "consumers" /
+                                                          "hf_eval.py"), str(tmp_path / "tokens.npy"),
+                           str(folder), str(tmp_path / "moe.npz")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    with np.load(tmp_path / "moe.npz") as f:
+        logits, info = f["logits"], json.loads(str(f["info"]))
+    assert info["loading"] == {"missing_keys": [], "unexpected_keys": [],
+                               "mismatched_keys": [], "error_msgs": []}, info["loading"]
+    router = ("router", "router_bias")
+    served = jax.tree_util.tree_map_with_path(
+        lambda p, v: v if any(getattr(k, "key", None) in router for k in p) else _bf16(v),
+        params)
+    ref = np.asarray(HybridLM(cfg).apply({"params": served}, jnp.asarray(tokens))[0])
+    print(f"\nMoE max|logit diff| {np.abs(logits - ref).max():.2e} of {np.abs(ref).max():.2f}")
+    assert np.abs(logits - ref).max() <= TOLERANCE * np.abs(ref).max()
+    unrouted = {**served, "blocks_2": {**served["blocks_2"], "moe": {
+        **served["blocks_2"]["moe"], "router_bias": jnp.zeros(4)}}}
+    other = np.asarray(HybridLM(cfg).apply({"params": unrouted}, jnp.asarray(tokens))[0])
+    assert np.abs(logits - other).max() > 10 * TOLERANCE * np.abs(ref).max()  # bias read
