@@ -96,6 +96,10 @@ def check_nemotron_h(cfg) -> None:
     from experiments.hf_nemotron_h import refused_options
 
     bad = refused_options(cfg)
+    if "E" in cfg.pattern:
+        bad.append(f"pattern={cfg.pattern!r} (MoE blocks: llama.cpp runs them as "
+                   "nemotron_h_moe, which fp4lab does not write yet; transformers' NemotronH "
+                   "takes them, --layout bf16)")
     if bad:
         raise ValueError(f"llama.cpp's {ARCH} cannot run this model: " + "; ".join(bad)
                          + ". Export its tensors under the generic architecture instead "

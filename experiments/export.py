@@ -12,7 +12,7 @@ pass: recipe and compute dtype per GEMM), written in ``--layout``:
 * ``bf16``, ``nvfp4`` (compressed-tensors), ``nvfp4_modelopt`` (ModelOpt, weight-only): a
   transformers ``NemotronHForCausalLM`` folder (``experiments.hf_nemotron_h``);
 * ``mxfp4`` is refused: gpt-oss's MXFP4 safetensors are loaded by transformers and vLLM for
-  MoE expert stacks only, and the hybrid LM has none (llama.cpp's MXFP4 is in ``gguf``).
+  gpt-oss's expert stacks only, not for NemotronH's (llama.cpp's MXFP4 is in ``gguf``).
 
 The multi-token-prediction head is left out, and the command says so; it also says so of a
 ``--policy`` that says something else than the policy the run trained under: that export is
@@ -52,7 +52,9 @@ __all__ = ["export_run", "ptq_note", "validation_logits", "validation_loss", "wi
 GGUF_ARCHS = (engines.ARCH, "fp4lab")  # a GGUF file's general.architecture
 NO_DENSE_MXFP4 = (
     "layout 'mxfp4' (gpt-oss's MXFP4 safetensors): transformers and vLLM load MXFP4 only for "
-    "MoE expert stacks, and the hybrid LM has none, so no engine would run this folder; for "
+    "gpt-oss's expert stacks (transformers' Mxfp4 quantizer replaces GptOss experts alone, "
+    "vLLM's gpt-oss path needs model_type gpt_oss), not NemotronH's dense layers or MoE "
+    "experts, so no engine would run this folder; for "
     "MXFP4 weights use --layout gguf (llama.cpp's MXFP4 type)")
 
 
@@ -131,7 +133,7 @@ SERVED = {
                     _write_hf_nvfp4),
     "nvfp4_modelopt": Served("transformers, vLLM (ModelOpt NVFP4, weight-only)", _check_hf,
                              _write_hf_nvfp4),
-    "mxfp4": Served("none: MXFP4 safetensors are loaded for MoE experts only",
+    "mxfp4": Served("none: MXFP4 safetensors are loaded for gpt-oss's experts only",
                     refusal=NO_DENSE_MXFP4),
 }
 SERVED_LAYOUTS = tuple(SERVED)
