@@ -157,10 +157,10 @@ def test_a_damaged_run_is_one_line_naming_the_run_and_the_file(trained, tmp_path
 def test_a_checkpoint_whose_bytes_changed_is_one_line_from_the_command(trained, tmp_path):
     """Bytes changed in place, which no size or tree tells before orbax reads them: orbax's
     own error (a bare Exception with a page of TensorStore's spec) becomes the same one
-    line, naming the chunk it could not read, first on the command's stderr. (Orbax's other
+    line, naming the chunk it could not read, on the command's stderr. (Orbax's other
     reads of the checkpoint, left pending when the first failed, may still print their own
-    failures on a closed event loop after it, at times: that is orbax's and TensorStore's,
-    and why this runs in a process of its own.)"""
+    failures on a closed event loop, before or after it, at times (seen on a loaded
+    machine): that is orbax's and TensorStore's, and why this runs in a process of its own.)"""
     copy = tmp_path / "run"
     shutil.copytree(trained[1], copy)
     for p in _data_files(copy / "ckpt" / "8"):
@@ -173,7 +173,11 @@ def test_a_checkpoint_whose_bytes_changed_is_one_line_from_the_command(trained, 
     lines = [line for line in done.stderr.splitlines()  # absl's and XLA's log lines aside
              if not re.match(r"(WARNING|INFO|[IWE]\d{4} )", line)]
     errors = [line for line in lines if line.startswith("error: ")]
-    assert errors == lines[:1] and len(errors[0]) < 500, done.stderr[:3000]
+    assert len(errors) == 1 and len(errors[0]) < 500, done.stderr[:3000]
+    # anything else is orbax's pending reads failing on its closed event loop (before the
+    # error line or after it, as the threads are scheduled), never a traceback of the command
+    assert not any("experiments/" in line for line in lines if line.startswith("  File")), \
+        done.stderr[:3000]
     assert errors[0].startswith(f"error: run {str(copy.resolve())!r}: checkpoint ckpt/8 is "
                                 "damaged or incomplete: it could not be read (")
     assert re.search(r"\(\w+: the chunk params\.\S+: .*\); no intact earlier checkpoint",

@@ -436,7 +436,7 @@ def test_bad_arguments_are_refused_by_name(call, message):
 _SLOTS, _TOKENS = (3, 2, 6, K), (4, 9, K)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["nvfp4"])  # (every quantizer: the vmapped core's tests)
 def test_an_expert_einsum_is_the_loop_of_qeinsum_over_experts(recipe, exact_dot):
     """``qexpert_einsum``: each expert's GEMM is ``qeinsum`` of its own slice (or of the X
     every expert shares) with the key ``fold_in(key, first_expert + e)``, forward and

@@ -187,30 +187,13 @@ def test_all_bf16_is_maxtexts_model_nvfp4_trains_resumes_and_runs_on_two_process
 
 
 @pytest.mark.slow
-def test_nemotron3_keeps_its_bf16_layers_in_maxtexts_moe(maxtext_python, tmp_path):
-    """The README's command: the preset means in MaxText's MoE what it means on the hybrid
-    LM: expert stacks in NVFP4, attention projections, the last 15 % of the blocks and the
-    logits layer in BF16, the router as MaxText computes it. Its depth rule needs unstacked
-    layers; on scanned ones it is refused, naming scan_layers=False
-    (test_refusals_of_the_models_build_are_one_line)."""
-    run = train(maxtext_python, tmp_path, "nemotron3", "steps=2", *MOE, "scan_layers=False",
-                "fp4lab.policy=nemotron3")
-    recipes = {path: recipe for path, (_, recipe) in table(run.stdout).items()}
-    for i in range(3):
-        assert recipes[f"decoder/layers_0/MoeBlock_0/ragged_dot_{i}"] == "nvfp4"
-        assert recipes[f"decoder/layers_1/MoeBlock_0/ragged_dot_{i}"] == "bf16"  # the tail
-    assert recipes["decoder/layers_0/self_attention/query"] == "bf16"
-    assert recipes["decoder/logits_dense"] == "bf16"
-    assert not any("gate" in path for path in recipes)
-    assert np.all(np.isfinite(losses(tmp_path, "nemotron3")))
-
-
-@pytest.mark.slow
 def test_maxtexts_moe_follows_nemotron3_on_an_expert_parallel_mesh(maxtext_python, tmp_path):
     """MaxText's dense MoE path (``sparse_matmul=False``: its experts are einsums, which
-    fp4lab governs as expert stacks) on an fsdp 2 x expert 2 mesh under ``nemotron3``:
-    ``explain`` lists each layer's three expert stacks, block 0's in NVFP4 and block 1's in
-    BF16 (the last 15 %), the router left as written; it trains within a few percent of
+    fp4lab governs as expert stacks) on an fsdp 2 x expert 2 mesh under ``nemotron3``, the
+    preset meaning what it means on the hybrid LM: ``explain`` lists each layer's three
+    expert stacks, block 0's in NVFP4 and block 1's in BF16 (the last 15 %), the attention
+    projections and the logits layer BF16, the router left as written (the README's command
+    runs the same preset on MaxText's ragged_dot path, which the combined test trains); it trains within a few percent of
     MaxText's own losses, and its compiled step moves what MaxText's does: the same
     all-to-alls, all-reduces that add the per-expert amaxes (a few dozen elements) and
     under 5 % more all-gathered elements (measured: +1.8 %, the quantized copies of FSDP's
@@ -224,7 +207,9 @@ def test_maxtexts_moe_follows_nemotron3_on_an_expert_parallel_mesh(maxtext_pytho
     recipes = {path: recipe for path, (_, recipe) in table(run.stdout).items()}
     for i in range(3):
         assert recipes[f"decoder/layers_0/MoeBlock_0/expert_einsum_{i}"] == "nvfp4"
-        assert recipes[f"decoder/layers_1/MoeBlock_0/expert_einsum_{i}"] == "bf16"
+        assert recipes[f"decoder/layers_1/MoeBlock_0/expert_einsum_{i}"] == "bf16"  # the tail
+    assert recipes["decoder/layers_0/self_attention/query"] == "bf16"
+    assert recipes["decoder/logits_dense"] == "bf16"
     assert not any("gate" in path for path in recipes)
     base, got = losses(tmp_path, "own"), losses(tmp_path, "moe")
     assert got != base and np.all(np.isfinite(got))
@@ -252,14 +237,11 @@ def refusal(run: subprocess.CompletedProcess) -> str:
     (["scan_layers=True", "fp4lab.policy=nemotron3"],
      ["policy nemotron3: decoder/layers/mlp/wi_0 is 2 blocks stacked for a scan",
       "(0: nvfp4, 1: bf16)", "scan_layers=False"]),
-    (["fp4lab.policy=all:tetrajet_v2_outcontrol"],
-     ["recipe tetrajet_v2_outcontrol has OutControl", "use the Linen integration"]),
-    (["quantization=int8", "fp4lab.policy=all:nvfp4"],
-     ["quantization='int8' (MaxText's own quantization) and fp4lab.policy='all:nvfp4'",
-      "drop one"]),
+    ([*MOE, "megablox=True", "fp4lab.policy=all:nvfp4"],
+     ["megablox=True computes MaxText's experts (num_experts=4)", "megablox=False"]),
     (["fp4lab.policy=file:missing.json"],  # refused on the command line, before MaxText
      ["policy file 'missing.json' does not exist"]),
-], ids=["nemotron3-scanned", "outcontrol", "quantization", "policy-file"])
+], ids=["nemotron3-scanned", "megablox", "policy-file"])
 def test_refusals_of_the_models_build_are_one_line(maxtext_python, tmp_path, args, says):
     """What fp4lab refuses while MaxText builds the model prints as the command line's
     refusals do (fp4lab.integrations.maxtext.is_refusal): one line naming the value, no
@@ -385,6 +367,8 @@ def test_what_maxtexts_train_step_cannot_serve_is_refused():
         quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:fp8_delayed"))
     with pytest.raises(ValueError, match="quantization='int8'.*would both quantize"):
         quantize(TinyLM(nnx.Rngs(0)), config(quantization="int8"), Options(policy="all:nvfp4"))
+    with pytest.raises(ValueError, match="tetrajet_v2_outcontrol has OutControl.*Linen"):
+        quantize(TinyLM(nnx.Rngs(0)), config(), Options(policy="all:tetrajet_v2_outcontrol"))
     with pytest.raises(ValueError, match="probes='all'.*gradient_accumulation_steps=4"):
         quantize(TinyLM(nnx.Rngs(0)), config(gradient_accumulation_steps=4),
                  Options(policy="all:nvfp4", probes="all"))
