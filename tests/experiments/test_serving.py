@@ -128,7 +128,7 @@ def test_the_export_command_says_a_wrong_output_path_in_one_line(qat_run, tmp_pa
     for layout, policy, out, message in (
             ("gguf", "all:q4_0_qat", tmp_path, "and this is a folder"),
             ("nvfp4", "all:nvfp4", tmp_path / "file", "exists and is not an empty folder"),
-            ("mxfp4", "all:mxfp4_weights", tmp_path / "mx", "MoE expert stacks")):
+            ("mxfp4", "all:mxfp4_weights", tmp_path / "mx", "only for gpt-oss's expert stacks")):
         assert main(["--run", str(qat_run), "--layout", layout, "--policy", policy,
                      "--out", str(out)]) == 2
         err = capsys.readouterr().err
