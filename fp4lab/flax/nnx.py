@@ -153,9 +153,7 @@ class _QuantizedGemm(nnx.Module):
         if self.sr_count._can_update and (deferred is None or id(self) not in deferred):
             self.sr_count[...] = n + 1
         elif deferred is None:
-            raise ValueError(f"{type(self).__name__}: its SR counter cannot advance inside a "
-                             "JAX transform entered outside the model's methods; call the "
-                             "model inside it, or use NNX's lifted transform (nnx.shard_map)")
+            raise ValueError(f"{type(self).__name__}: {_NO_ADVANCE}")
         else:
             _, k = deferred.get(id(self), (self, 0))
             deferred[id(self)] = (self, k + 1)
@@ -312,13 +310,17 @@ def _call(call, model, args, kwargs, record=None):
         _advance_deferred()
         if _state.deferred:
             op = next(iter(_state.deferred.values()))[0]
-            raise ValueError(f"op {op.path if isinstance(op, QuantOp) else type(op).__name__}"
-                             ": its SR keys were drawn inside a JAX transform that its "
-                             "counter cannot be advanced from; call the model inside it, or "
-                             "use NNX's lifted transform (nnx.shard_map)")
+            where = op.path if isinstance(op, QuantOp) else type(op).__name__
+            raise ValueError(f"op {where}: {_NO_ADVANCE}")
         return out
     finally:
         _state.active, _state.deferred = False, None
+
+
+# why an SR draw inside a JAX transform is refused: no model method returns outside it
+_NO_ADVANCE = ("its SR counter cannot advance inside a JAX transform entered outside the "
+               "model's methods; call the model inside it, or use NNX's lifted transform "
+               "(nnx.shard_map)")
 
 
 def _advance_deferred() -> None:
