@@ -79,29 +79,39 @@ import numpy as np
 
 from fp4lab.numerics.qarray import QArray
 
-__all__ = ["ARCH", "check_nemotron_h", "split_columns", "nemotron_h_tensors",
+__all__ = ["ARCH", "MOE_ARCH", "arch", "check_nemotron_h", "split_columns", "nemotron_h_tensors",
            "nemotron_h_metadata", "tokenizer_metadata", "notes"]
 
 ARCH = "nemotron_h"
+MOE_ARCH = "nemotron_h_moe"
 RMS_EPS = 1e-6  # experiments.model.RMSNorm's, every norm of the model
 # a merge whose two symbols GPT-2's pre-tokenizer never leaves side by side (letters and
 # digits are separate pieces): llama.cpp's BPE needs a merges list, a byte vocabulary has none
 _NO_MERGE = "a 0"
 
 
+def arch(cfg) -> str:
+    """The llama.cpp architecture of ``cfg``: ``nemotron_h_moe`` with MoE blocks (what
+    llama.cpp's converter writes for a Nemotron-H with experts), else :data:`ARCH`."""
+    return MOE_ARCH if "E" in cfg.pattern else ARCH
+
+
 def check_nemotron_h(cfg) -> None:
     """ValueError naming every option of ``cfg`` (a ModelConfig) whose forward pass
-    llama.cpp's ``nemotron_h`` does not compute: those transformers' NemotronH cannot
-    either (one table, ``experiments.hf_nemotron_h.UNSUPPORTED``), all of them at once."""
+    llama.cpp's ``nemotron_h`` (``nemotron_h_moe``) does not compute: those transformers'
+    NemotronH cannot either (one table, ``experiments.hf_nemotron_h.UNSUPPORTED``) and the
+    patterns llama.cpp cannot hold, all of them at once."""
     from experiments.hf_nemotron_h import refused_options
 
     bad = refused_options(cfg)
-    if "E" in cfg.pattern:
-        bad.append(f"pattern={cfg.pattern!r} (MoE blocks: llama.cpp runs them as "
-                   "nemotron_h_moe, which fp4lab does not write yet; transformers' NemotronH "
-                   "takes them, --layout bf16)")
+    if "E" in cfg.pattern and "-" in cfg.pattern:
+        bad.append(f"pattern={cfg.pattern!r} (MLP blocks beside MoE blocks: once a file has "
+                   "experts, llama.cpp loads every feed-forward block as an MoE block)")
+    if "M" not in cfg.pattern or "*" not in cfg.pattern:
+        bad.append(f"pattern={cfg.pattern!r} (no Mamba or no attention block: llama.cpp's "
+                   "hybrid memory aborts at the first decode without both)")
     if bad:
-        raise ValueError(f"llama.cpp's {ARCH} cannot run this model: " + "; ".join(bad)
+        raise ValueError(f"llama.cpp's {arch(cfg)} cannot run this model: " + "; ".join(bad)
                          + ". Export its tensors under the generic architecture instead "
                          "(--gguf-arch fp4lab), which no engine runs as a model")
 
@@ -167,6 +177,32 @@ def _mlp(p: str, w: dict, i: int) -> dict:
             for x in ("up", "down")}
 
 
+def _moe(p: str, w: dict, i: int, cfg) -> dict:
+    """An MoE block as llama.cpp's: the router float32 (as its converter writes it; fp4lab's
+    is float32 unless a rule quantizes it, refused here), the routing bias (zeros without
+    one), each expert stack ``[E, in, out]`` as ``[E, out, in]`` (a tuple of per-expert
+    QArrays: their blocks stacked), the latent projections, the shared expert (an all-zero
+    one of ``ZERO_SHARED`` where the block has none: llama.cpp requires it)."""
+    from experiments.hf_nemotron_h import moe_stand_ins
+
+    w = {**moe_stand_ins(cfg, p), **{k: v for k, v in w.items() if k.startswith(p + "/")}}
+    router = w[f"{p}/router/kernel"]
+    if isinstance(router, QArray):
+        raise ValueError(f"{p}/router/kernel: quantized as {router.format.name}; llama.cpp "
+                         "computes the router from a float32 ffn_gate_inp (keep routers out "
+                         "of the policy's quantized layers)")
+    out = {f"{p}/router/kernel": (f"blk.{i}.ffn_gate_inp.weight", _f32(router)),
+           f"{p}/router_bias": (f"blk.{i}.exp_probs_b.bias", _f32(w[f"{p}/router_bias"]))}
+    for x in ("up", "down"):
+        out[f"{p}/experts/{x}/kernel"] = (f"blk.{i}.ffn_{x}_exps.weight", w[f"{p}/experts/{x}"])
+        out[f"{p}/shared_expert/{x}/kernel"] = (f"blk.{i}.ffn_{x}_shexp.weight",
+                                                w[f"{p}/shared_expert/{x}/kernel"])
+        if cfg.moe_latent:
+            out[f"{p}/latent_{x}/kernel"] = (f"blk.{i}.ffn_latent_{x}.weight",
+                                             w[f"{p}/latent_{x}/kernel"])
+    return out
+
+
 def nemotron_h_tensors(weights: dict, cfg) -> tuple[dict, dict[str, str]]:
     """``(tensors, names)``: the model's weights (``{parameter path: QArray or array}``, as
     ``fp4lab.export.quantized_weights`` gives them) as llama.cpp's ``nemotron_h`` tensors,
@@ -184,12 +220,14 @@ def nemotron_h_tensors(weights: dict, cfg) -> tuple[dict, dict[str, str]]:
         mapped[f"{p}/norm/scale"] = (f"blk.{i}.attn_norm.weight", w[f"{p}/norm/scale"])
         mapped |= (_mamba(f"{p}/mamba", w, i, 1) if kind == "mamba"
                    else _attention(f"{p}/attention", w, i) if kind == "attention"
+                   else _moe(f"{p}/moe", w, i, cfg) if kind == "moe"
                    else _mlp(f"{p}/mlp", w, i))
     mapped["final_norm/scale"] = ("output_norm.weight", w["final_norm/scale"])
     mapped["head/kernel"] = ("output.weight", w["head/kernel"])
     used = {k for k in mapped} | {f"blocks_{i}/mamba/{x}" for i in range(len(cfg.pattern))
                                   for x in ("A_log", "conv_kernel")}
     used |= {f"blocks_{i}/attention/qkv/kernel" for i in range(len(cfg.pattern))}
+    used |= {f"blocks_{i}/moe/experts/{x}" for i in range(len(cfg.pattern)) for x in ("up", "down")}
     left = sorted(k for k in w if k not in used and not k.startswith("mtp_"))
     if left:
         raise ValueError(f"parameters llama.cpp's {ARCH} has no tensor for: {left[:5]}")
@@ -197,18 +235,20 @@ def nemotron_h_tensors(weights: dict, cfg) -> tuple[dict, dict[str, str]]:
 
 
 def nemotron_h_metadata(cfg, *, context_length: int) -> dict:
-    """The ``nemotron_h.*`` keys llama.cpp reads for ``cfg`` (a ModelConfig)."""
+    """The ``nemotron_h.*`` keys llama.cpp reads for ``cfg`` (a ModelConfig); with MoE
+    blocks the ``nemotron_h_moe.*`` keys, the experts' among them (:func:`_moe_metadata`)."""
     from experiments.model import BLOCK_KINDS
 
     kinds = [BLOCK_KINDS[c] for c in cfg.pattern]
     d, inner = cfg.d_model, cfg.ssm_expand * cfg.d_model
-    k = f"{ARCH}."
+    k = f"{arch(cfg)}."
+    ffn = {"mlp": cfg.mlp_mult * d, "moe": cfg.expert_width}
     return {
         k + "context_length": int(context_length),
         k + "embedding_length": d,
         k + "block_count": len(kinds),
         k + "vocab_size": cfg.vocab,
-        k + "feed_forward_length": [cfg.mlp_mult * d if x == "mlp" else 0 for x in kinds],
+        k + "feed_forward_length": [ffn.get(x, 0) for x in kinds],
         k + "attention.head_count": cfg.num_heads,
         k + "attention.head_count_kv": [cfg.num_heads if x == "attention" else 0
                                         for x in kinds],
@@ -221,7 +261,24 @@ def nemotron_h_metadata(cfg, *, context_length: int) -> dict:
         k + "ssm.state_size": cfg.ssm_state,
         k + "ssm.time_step_rank": inner // cfg.ssm_head_dim,  # llama.cpp: the SSM heads
         k + "ssm.group_count": 1,
+        **({k + key: v for key, v in _moe_metadata(cfg).items()} if "E" in cfg.pattern
+           else {}),
     }
+
+
+def _moe_metadata(cfg) -> dict:
+    """llama.cpp's expert keys (typed as it reads them: the norm a bool, the scale a float):
+    sigmoid routing is its only one for this architecture, the chosen scores normalized
+    and unscaled; one shared-expert width for the file; no groups key (llama.cpp asserts
+    fewer groups than experts, and reads no groups as one)."""
+    from experiments.hf_nemotron_h import ZERO_SHARED
+
+    return {"expert_count": cfg.moe_experts, "expert_used_count": cfg.moe_top_k,
+            "expert_feed_forward_length": cfg.expert_width,
+            "expert_shared_feed_forward_length": cfg.expert_width if cfg.moe_shared
+            else ZERO_SHARED, "expert_shared_count": 1,
+            "expert_weights_norm": True, "expert_weights_scale": 1.0,
+            **({"moe_latent_size": cfg.moe_latent} if cfg.moe_latent else {})}
 
 
 def _byte_alphabet() -> list[str]:
@@ -278,9 +335,10 @@ def notes(cfg, arch: str) -> list[str]:
     if arch != ARCH:
         return [f"general.architecture = {arch}: the tensors under fp4lab's names; no engine "
                 "runs this file as a model (llama.cpp's gguf tools read it)"]
-    out = [f"general.architecture = {ARCH}: llama.cpp runs it (llama-cli, llama_cpp.Llama)"]
+    out = [f"general.architecture = {arch(cfg)}: llama.cpp runs it (llama-cli, "
+           "llama_cpp.Llama)"]
     if cfg.mtp:
         out.append("the multi-token-prediction head (mtp_*) is left out: llama.cpp's "
-                   f"{ARCH} runs the main head only")
+                   f"{arch(cfg)} runs the main head only")
     return out
 

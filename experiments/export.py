@@ -39,7 +39,7 @@ import numpy as np
 
 from experiments import engines, hf_nemotron_h, policies
 from experiments.commands import command
-from experiments.model import HybridLM
+from experiments.model import HybridLM, expert_stacks
 from experiments.rollout import token_log_probs
 from experiments.runs import load_run, validation_tokens
 from fp4lab import export as fp4lab_export
@@ -182,7 +182,8 @@ def _export(run, layout: str, out, *, policy: str | None, gguf_arch: str):
 
 
 def _save_nemotron_h_gguf(run, cfg, record, out, meta: dict):
-    weights = fp4lab_export.quantized_weights({"params": run.params}, record)
+    weights = fp4lab_export.quantized_weights({"params": run.params}, record,
+                                              experts=expert_stacks(cfg))
     tensors, names = engines.nemotron_h_tensors(weights, cfg)
     try:
         recorded = policy_to_dict(record.policy)
@@ -193,7 +194,7 @@ def _save_nemotron_h_gguf(run, cfg, record, out, meta: dict):
              **engines.nemotron_h_metadata(cfg, context_length=run.config.data.seq_len),
              **engines.tokenizer_metadata(run.data, cfg.vocab)}
     return fp4lab_export.save(tensors, out, "gguf", names=names.__getitem__, metadata=meta,
-                              arch=engines.ARCH)
+                              arch=engines.arch(cfg))
 
 
 def with_weights(params, weights: dict[str, np.ndarray]) -> dict:

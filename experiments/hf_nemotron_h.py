@@ -87,10 +87,10 @@ import ml_dtypes
 import numpy as np
 
 from experiments.engines import split_columns
-from experiments.model import ModelConfig, RMSNorm
+from experiments.model import ModelConfig, RMSNorm, expert_stacks
 
 __all__ = ["UNSUPPORTED", "HF_BLOCKS", "ZERO_SHARED", "check_expressible", "hf_config", "hf_name",
-           "hf_layout", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
+           "hf_layout", "moe_stand_ins", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
 
 HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # 5.24's
 # the width of the all-zero shared expert written for MoE blocks without one (transformers
@@ -232,21 +232,22 @@ def hf_layout(weights: dict, cfg: ModelConfig) -> dict:
                         for n, v in zip("qkv", split_columns(value, [d, d, d]), strict=True)})
         elif leaf == "conv_kernel":
             out[f"{layer}/conv1d/weight"] = np.ascontiguousarray(np.asarray(value).T[:, None])
-        elif layer.endswith("/moe/experts"):  # a stack [E, in, out]: one kernel per expert
-            out.update({f"{layer}/{j}/{leaf}/kernel": np.asarray(w)
-                        for j, w in enumerate(np.asarray(value))})
+        elif layer.endswith("/moe/experts"):  # a stack [E, in, out] (or a tuple of E
+            # QArrays): one kernel per expert
+            parts = value if isinstance(value, tuple) else np.asarray(value)
+            out.update({f"{layer}/{j}/{leaf}/kernel": w for j, w in enumerate(parts)})
         else:
             out[path] = value
     for i, kind in enumerate(cfg.pattern):
         if kind == "E":
-            out.update({k: v for k, v in _moe_stand_ins(cfg, f"blocks_{i}/moe").items()
+            out.update({k: v for k, v in moe_stand_ins(cfg, f"blocks_{i}/moe").items()
                         if k not in out})
     for path in out:
         hf_name(path)  # every tensor has a name before anything is written
     return out
 
 
-def _moe_stand_ins(cfg: ModelConfig, block: str) -> dict[str, np.ndarray]:
+def moe_stand_ins(cfg: ModelConfig, block: str) -> dict[str, np.ndarray]:
     """What NemotronH's MoE block has and the hybrid LM's may lack, as the same computation:
     a zero routing bias (without ``moe_bias_rate``), an all-zero shared expert of
     :data:`ZERO_SHARED` (without ``moe_shared``: ``relu(0)^2 = 0`` adds nothing)."""
@@ -348,11 +349,8 @@ def write_nvfp4(params, record, cfg: ModelConfig, out, *, max_positions: int,
     from fp4lab import export
 
     check_expressible(cfg)
-    if "E" in cfg.pattern:
-        raise ValueError(f"layout {layout!r}: the pattern {cfg.pattern!r} has MoE blocks, "
-                         "whose expert stacks fp4lab does not yet write quantized; export "
-                         "them with --layout bf16")
-    laid = hf_layout(export.quantized_weights({"params": params}, record), cfg)
+    laid = hf_layout(export.quantized_weights({"params": params}, record,
+                                              experts=expert_stacks(cfg)), cfg)
     with _Folder(out) as tmp:
         meta = _meta(cfg, layout, metadata)
         _write_config(tmp, cfg, max_positions, meta)  # save extends it (its fp4lab: meta)

@@ -417,6 +417,14 @@ class MLP(nn.Module):
         return _dense(x_BxLxD.shape[-1], "down", dtype)(act(h_BxLxF))
 
 
+def expert_stacks(cfg: ModelConfig) -> dict[str, str]:
+    """``{stack path: call path}``: each MoE block's expert stacks and the ``ragged_dot``
+    call of :class:`Experts` that multiplies it (up first, then down), as
+    ``fp4lab.export.quantized_weights(..., experts=)`` takes them."""
+    return {f"blocks_{i}/moe/experts/{x}": f"blocks_{i}/moe/experts/ragged_dot_{n}"
+            for i, c in enumerate(cfg.pattern) if c == "E" for n, x in enumerate(("up", "down"))}
+
+
 class Experts(nn.Module):
     """``moe_experts`` expert MLPs (up, squared ReLU, down) on the tokens routed to them:
     dispatched dropless into rows sorted by expert, two ``jax.lax.ragged_dot`` calls on

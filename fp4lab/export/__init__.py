@@ -135,17 +135,20 @@ def _check_tensors(tensors: Mapping, lay: Layout, names: Callable[[str], str]) -
         if n in seen:
             raise ValueError(f"tensor name {n!r} for both {seen[n]!r} and {p!r}")
         seen[n] = p
-        if isinstance(value, QArray) and value.format.name not in lay.formats:
-            raise ValueError(f"{p}: format {value.format.name!r} has no {lay.name} type; "
-                             f"the {lay.name} layout takes {', '.join(lay.formats)} or a "
-                             "pass-through dtype")
+        for q in value if isinstance(value, tuple) else (value,):  # an expert stack's each
+            if isinstance(q, QArray) and q.format.name not in lay.formats:
+                raise ValueError(f"{p}: format {q.format.name!r} has no {lay.name} type; "
+                                 f"the {lay.name} layout takes {', '.join(lay.formats)} or "
+                                 "a pass-through dtype")
 
 
-def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: str, *,
+def save(tensors: Mapping[str, QArray | tuple[QArray, ...] | jax.Array | np.ndarray], path,
+         layout: str, *,
          names: Callable[[str], str] | None = None, metadata: Mapping | None = None,
          input_amax: Mapping[str, float] | None = None, arch: str = "fp4lab") -> Path:
     """Write ``tensors`` (``{parameter path: QArray or array}``, as :func:`quantized_weights`
-    returns) to ``path`` in ``layout`` (:data:`LAYOUTS`): a ``.gguf`` file for ``gguf``, a
+    returns; an expert stack's tuple of QArrays in ``gguf``, one tensor with a leading
+    experts axis) to ``path`` in ``layout`` (:data:`LAYOUTS`): a ``.gguf`` file for ``gguf``, a
     folder (``model.safetensors``, ``config.json``) for the others. ``names`` maps a path to
     its tensor name (default :func:`tensor_name`); ``metadata`` is stored alongside (GGUF:
     keys of the architecture, ``general.*`` and ``tokenizer.*`` as given, with their values'
@@ -169,7 +172,8 @@ def save(tensors: Mapping[str, QArray | jax.Array | np.ndarray], path, layout: s
 
 def export(params, how, path, layout: str, *, layers: Mapping[str, str | None] | None = None,
            compute_dtype=None, num_blocks: int | None = None,
-           contracting: Mapping[str, int] | None = None, **save_kw) -> Path:
+           contracting: Mapping[str, int] | None = None,
+           experts: Mapping[str, str] | None = None, **save_kw) -> Path:
     """:func:`quantized_weights` of ``params`` as ``how`` says (the model's record or a
     policy; ``layers``: their kinds), written by :func:`save`; the policy is recorded in the
     metadata."""
@@ -177,7 +181,8 @@ def export(params, how, path, layout: str, *, layers: Mapping[str, str | None] |
 
     _out_path(path, layout)  # a wrong path fails before the work
     weights = quantized_weights(params, how, layers=layers, compute_dtype=compute_dtype,
-                                num_blocks=num_blocks, contracting=contracting)
+                                num_blocks=num_blocks, contracting=contracting,
+                                experts=experts)
     policy = how.policy if isinstance(how, ExplainTable) else get_policy(how)
     try:
         recorded = policy_to_dict(policy)

@@ -218,21 +218,33 @@ def save_gguf(tensors, path: Path, names, metadata, *, arch: str = "fp4lab") -> 
 
 
 def _add_tensors(gguf, writer, tensors, names, arch: str) -> dict:
-    """Add every tensor (an NVFP4 weight with its ``.scale``); returns the index."""
+    """Add every tensor (an NVFP4 weight with its ``.scale``; an expert stack, a tuple of
+    one QArray per expert, as one tensor ``[experts, out, in]``, its ``.scale`` one value
+    per expert); returns the index."""
     index, taken = {}, {names(p) for p in tensors}
     for p, value in tensors.items():
         name = names(p)
-        if not isinstance(value, QArray):
+        if not isinstance(value, (QArray, tuple)):
             index[name] = _add_plain(gguf, writer, p, name, value)
             continue
-        t, b, raw = ggml_bytes(p, value)
+        stack = isinstance(value, tuple)
+        parts = ([ggml_bytes(f"{p}[{e}]", q) for e, q in enumerate(value)] if stack
+                 else [ggml_bytes(p, value)])
+        kinds = {t.name for t, _, _ in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"{p}: an expert stack of several GGML types {sorted(kinds)}")
+        t = parts[0][0]
+        raw = np.stack([r for _, _, r in parts]) if stack else parts[0][2]
         writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, t.name))
-        index[name] = {"path": p, "transposed": True, "format": value.format.name}
+        index[name] = {"path": p, "transposed": True,
+                       "format": (value[0] if stack else value).format.name,
+                       **({"experts": len(value)} if stack else {})}
         if t.name == "NVFP4":
             s = scale_name(name)
             _check_scale_name(p, name, s, taken, arch)
-            writer.add_tensor(s, nvfp4_scale(b))
-            index[name] |= {"amax": float(b.amax), "scale": s}
+            writer.add_tensor(s, np.concatenate([nvfp4_scale(b) for _, b, _ in parts]))
+            amax = [float(b.amax) for _, b, _ in parts]
+            index[name] |= {"amax": amax if stack else amax[0], "scale": s}
     return index
 
 
@@ -327,8 +339,9 @@ def _reader(gguf, path: Path):
 
 
 def load_gguf(path: Path) -> dict:
-    """A GGUF file's tensors: QArrays for the GGML block types (``[..., in, out]``), arrays
-    for the rest, keyed by parameter path (fp4lab's index) or by tensor name."""
+    """A GGUF file's tensors: QArrays for the GGML block types (``[..., in, out]``; an expert
+    stack written from a tuple of QArrays, a tuple again), arrays for the rest, keyed by
+    parameter path (fp4lab's index) or by tensor name."""
     reader, index = _reader(require("gguf"), path)
     by_name = {t.name: t for t in reader.tensors}
     index = index or _guess_index(path, by_name)
@@ -348,10 +361,17 @@ def load_gguf(path: Path) -> dict:
     return out
 
 
-def _qarray_of(t: GGMLType, raw: np.ndarray, shape_out_in, info: dict) -> QArray:
+def _qarray_of(t: GGMLType, raw: np.ndarray, shape_out_in, info: dict
+               ) -> QArray | tuple[QArray, ...]:
+    """A weight's QArray; an expert stack's (``experts`` in the index) one per expert, each
+    with its own amax, as :func:`save_gguf` was given it."""
     codes, scales = t.from_bytes(raw.reshape(shape_out_in[:-1] + (-1, t.size)))
     fmt = info.get("format") or t.formats[0]
-    return qarray(codes.reshape(shape_out_in), scales, fmt, amax=info.get("amax"))
+    codes = codes.reshape(shape_out_in)
+    if "experts" not in info:
+        return qarray(codes, scales, fmt, amax=info.get("amax"))
+    amax = info.get("amax") or [None] * len(codes)
+    return tuple(qarray(c, s, fmt, amax=a) for c, s, a in zip(codes, scales, amax, strict=True))
 
 
 def _guess_index(path: Path, by_name: dict) -> dict:

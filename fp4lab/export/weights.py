@@ -13,6 +13,7 @@ from fp4lab.export.blocks import F32, blocks, qarray
 from fp4lab.policy import get_policy, param_layers
 from fp4lab.numerics.qarray import QArray
 from fp4lab.numerics.quantize import quantize
+from fp4lab.numerics.rounding import abs_max
 
 # GGML's formats whose blocks of zero scale the export takes from GGML's C arithmetic
 GGML_FORMATS = ("int4_q4_0", "int8_q8_0")
@@ -36,8 +37,9 @@ def _flat_params(params, layers) -> tuple[dict[str, np.ndarray], dict[str, str |
 
 def quantized_weights(params, how, *, layers: Mapping[str, str | None] | None = None,
                       compute_dtype=None, num_blocks: int | None = None,
-                      contracting: Mapping[str, int] | None = None
-                      ) -> dict[str, QArray | jax.Array]:
+                      contracting: Mapping[str, int] | None = None,
+                      experts: Mapping[str, str] | None = None
+                      ) -> dict[str, QArray | tuple[QArray, ...] | jax.Array]:
     """Every parameter as the forward pass uses it, keyed by path (``"blocks_0/mlp/up/
     kernel"``): a linear layer's kernel whose recipe quantizes the forward weight becomes the
     QArray of its GEMM's weight matrix ``[K, N]`` (the kernel itself for a ``[in, out]``
@@ -60,14 +62,30 @@ def quantized_weights(params, how, *, layers: Mapping[str, str | None] | None = 
     rules name a layer kind is refused where the layers' kinds are unknown. ``compute_dtype``: the dtype every kernel is cast to before
     quantizing, overriding the record (without a record: the parameters' own dtype).
     ``contracting``: ``{layer path: n}``, the number of leading kernel axes a layer
-    contracts, for kernels of rank >= 3 without a bias to read it from."""
+    contracts, for kernels of rank >= 3 without a bias to read it from.
+
+    ``experts``: ``{stack path: call path}``, the expert stacks ``[E, K, N]`` (parameters a
+    grouped GEMM multiplies, not a layer's ``kernel``) and the recorded call that multiplies
+    each (``{"blocks_0/moe/experts/up": "blocks_0/moe/experts/ragged_dot_0"}``): a stack whose
+    recipe quantizes the forward weight becomes a tuple of ``E`` QArrays, expert ``e``'s
+    weight ``[K, N]`` as :func:`fp4lab.qragged_dot` quantizes it (its own tensor amax, or
+    the stack's under ``expert_scale="shared"``); a pass-through recipe's stack is cast to
+    its format."""
     flat, layers = _flat_params(params, layers)
+    experts = dict(experts or {})
+    unknown = sorted(set(experts) - set(flat))
+    if unknown:
+        raise ValueError(f"experts names stacks the parameters do not have: {unknown[:3]}")
     if not any(f"{layer}/kernel" in flat for layer in layers):
         raise ValueError(f"found no linear layer in the parameters (a 'kernel' of rank >= 2 "
                          f"under a layer's path); paths seen: {sorted(flat)[:5]}")
-    assigned = _assignments(how, layers, num_blocks)
+    assigned = _assignments(how, layers | {c: "lax.ragged_dot" for c in experts.values()},
+                            num_blocks)
     out = {}
     for path, value in flat.items():
+        if path in experts:
+            out[path] = _expert_weights(path, value, assigned.get(experts[path]), compute_dtype)
+            continue
         layer, _, leaf = path.rpartition("/")
         a = assigned.get(layer) if leaf == "kernel" else None
         if a is None or a.recipe is None:
@@ -112,12 +130,39 @@ def _forward_weight(path: str, value, a, compute_dtype, contracting: int | None,
         w = w.astype(compute_dtype)
     if recipe.fprop_w.format.is_passthrough:
         return w.astype(recipe.fprop_w.format.element.storage)
-    if recipe.fprop_w.hadamard or recipe.fprop_w.rounding != "nearest":
-        raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
-                         "rounds the forward weight; a checkpoint holds one fixed weight")
+    _check_fixed(path, recipe)
     n = contracting or _contracting_axes(path, w, bias)
     w = w.reshape(math.prod(w.shape[:n]), -1).astype(jnp.float32)
     return _quantize_weight(path, w, recipe.fprop_w)
+
+
+def _expert_weights(path: str, value, a, compute_dtype):
+    """The expert stack ``[E, K, N]`` at ``path`` as ``a``'s grouped GEMM uses it (see
+    :func:`quantized_weights`)."""
+    if a is None:
+        raise ValueError(f"{path}: its grouped GEMM is not in the record; name the call that "
+                         "multiplies it (experts={stack path: call path})")
+    if a.recipe is None:
+        return value
+    w = jnp.asarray(value)
+    if w.ndim != 3:
+        raise ValueError(f"{path}: an expert stack of shape {w.shape}; one is [E, K, N]")
+    w = w.astype(compute_dtype or a.compute_dtype or w.dtype)
+    op = a.recipe.fprop_w
+    if op.format.is_passthrough:
+        return w.astype(op.format.element.storage)
+    _check_fixed(path, a.recipe)
+    w = w.astype(jnp.float32)
+    shared = a.recipe.expert_scale == "shared" and (op.format.has_global_scale
+                                                     or op.format.granularity == "tensor")
+    amax = abs_max(w) if shared else None  # the stack's, as the grouped GEMM's pmax
+    return tuple(_quantize_weight(f"{path}[{e}]", w[e], op, amax) for e in range(w.shape[0]))
+
+
+def _check_fixed(path: str, recipe) -> None:
+    if recipe.fprop_w.hadamard or recipe.fprop_w.rounding != "nearest":
+        raise ValueError(f"{path}: recipe {recipe.name!r} transforms or stochastically "
+                         "rounds the forward weight; a checkpoint holds one fixed weight")
 
 
 def _contracting_axes(path: str, kernel, bias) -> int:
@@ -133,10 +178,11 @@ def _contracting_axes(path: str, kernel, bias) -> int:
     return n
 
 
-def _quantize_weight(path: str, w: jax.Array, op) -> QArray:
-    """The forward weight ``[K, N]`` (float32) quantized as ``op`` does, blocks along K;
-    GGML's zero-scale blocks as GGML's C code writes them."""
-    q = quantize(w, op.format, axis=-1 if op.tile else 0, tile=op.tile)
+def _quantize_weight(path: str, w: jax.Array, op, amax=None) -> QArray:
+    """The forward weight ``[K, N]`` (float32) quantized as ``op`` does, blocks along K
+    (NVFP4's tensor amax ``amax`` when given); GGML's zero-scale blocks as GGML's C code
+    writes them."""
+    q = quantize(w, op.format, axis=-1 if op.tile else 0, tile=op.tile, global_amax=amax)
     if op.format.name not in GGML_FORMATS or w.shape[0] % op.format.block:
         return q  # a K the GGUF layout cannot hold is refused by save, naming the tensor
     b = blocks(path, q)
