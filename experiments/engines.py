@@ -79,7 +79,7 @@ import numpy as np
 
 from fp4lab.numerics.qarray import QArray
 
-__all__ = ["ARCH", "MOE_ARCH", "arch", "check_nemotron_h", "split_columns", "nemotron_h_tensors",
+__all__ = ["ARCH", "MOE_ARCH", "arch_of", "check_nemotron_h", "split_columns", "nemotron_h_tensors",
            "nemotron_h_metadata", "tokenizer_metadata", "notes"]
 
 ARCH = "nemotron_h"
@@ -90,7 +90,7 @@ RMS_EPS = 1e-6  # experiments.model.RMSNorm's, every norm of the model
 _NO_MERGE = "a 0"
 
 
-def arch(cfg) -> str:
+def arch_of(cfg) -> str:
     """The llama.cpp architecture of ``cfg``: ``nemotron_h_moe`` with MoE blocks (what
     llama.cpp's converter writes for a Nemotron-H with experts), else :data:`ARCH`."""
     return MOE_ARCH if "E" in cfg.pattern else ARCH
@@ -111,7 +111,7 @@ def check_nemotron_h(cfg) -> None:
         bad.append(f"pattern={cfg.pattern!r} (no Mamba or no attention block: llama.cpp's "
                    "hybrid memory aborts at the first decode without both)")
     if bad:
-        raise ValueError(f"llama.cpp's {arch(cfg)} cannot run this model: " + "; ".join(bad)
+        raise ValueError(f"llama.cpp's {arch_of(cfg)} cannot run this model: " + "; ".join(bad)
                          + ". Export its tensors under the generic architecture instead "
                          "(--gguf-arch fp4lab), which no engine runs as a model")
 
@@ -241,7 +241,7 @@ def nemotron_h_metadata(cfg, *, context_length: int) -> dict:
 
     kinds = [BLOCK_KINDS[c] for c in cfg.pattern]
     d, inner = cfg.d_model, cfg.ssm_expand * cfg.d_model
-    k = f"{arch(cfg)}."
+    k = f"{arch_of(cfg)}."
     ffn = {"mlp": cfg.mlp_mult * d, "moe": cfg.expert_width}
     return {
         k + "context_length": int(context_length),
@@ -335,10 +335,10 @@ def notes(cfg, arch: str) -> list[str]:
     if arch != ARCH:
         return [f"general.architecture = {arch}: the tensors under fp4lab's names; no engine "
                 "runs this file as a model (llama.cpp's gguf tools read it)"]
-    out = [f"general.architecture = {arch(cfg)}: llama.cpp runs it (llama-cli, "
+    out = [f"general.architecture = {arch_of(cfg)}: llama.cpp runs it (llama-cli, "
            "llama_cpp.Llama)"]
     if cfg.mtp:
         out.append("the multi-token-prediction head (mtp_*) is left out: llama.cpp's "
-                   f"{arch(cfg)} runs the main head only")
+                   f"{arch_of(cfg)} runs the main head only")
     return out
 

@@ -194,7 +194,7 @@ def _save_nemotron_h_gguf(run, cfg, record, out, meta: dict):
              **engines.nemotron_h_metadata(cfg, context_length=run.config.data.seq_len),
              **engines.tokenizer_metadata(run.data, cfg.vocab)}
     return fp4lab_export.save(tensors, out, "gguf", names=names.__getitem__, metadata=meta,
-                              arch=engines.arch(cfg))
+                              arch=engines.arch_of(cfg))
 
 
 def with_weights(params, weights: dict[str, np.ndarray]) -> dict:

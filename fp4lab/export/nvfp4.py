@@ -6,6 +6,7 @@ in :mod:`fp4lab.export.modelopt`."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +45,23 @@ def _compressed_tensors(p: str, module: str, b: Blocks) -> dict:
                                                       np.float32)}
 
 
+# one expert's module of a stack: <stack>.experts.<j>.<projection> (Mixtral, Qwen-MoE and
+# NemotronH name their checkpoints' experts so)
+EXPERT_MODULE = re.compile(r"(.+\.experts)\.\d+\.[^.]+")
+
+
+def targets(modules: list[str]) -> list[str]:
+    """A config group's ``targets``: the modules by name, each expert stack by one regex
+    over all its experts' modules. vLLM's fused MoE layer looks its scheme up under the
+    names ``<stack>.0.<projection>`` of every projection its model class knows, some of
+    which a checkpoint never has (NemotronH's third is ``None``): a stack listed module by
+    module leaves those unmatched, and vLLM refuses the layer ("All MoE projections need to
+    have same quantization scheme")."""
+    stacks = {m[1] for m in map(EXPERT_MODULE.fullmatch, modules) if m}
+    return sorted({m for m in modules if not EXPERT_MODULE.fullmatch(m)}
+                  | {f"re:^{re.escape(s)}\\.\\d+\\..+$" for s in stacks})
+
+
 def save_nvfp4(tensors, path: Path, names, metadata) -> None:
     """compressed-tensors' ``nvfp4-pack-quantized``: ``weight_packed``, ``weight_scale``,
     ``weight_global_scale = 2688 / amax`` (TE's encode factor) and its config group."""
@@ -53,7 +71,7 @@ def save_nvfp4(tensors, path: Path, names, metadata) -> None:
     config = {"quantization_config": {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": sorted(quantized), "weights": weights,
+        "config_groups": {"group_0": {"targets": targets(quantized), "weights": weights,
                                       "input_activations": None, "output_activations": None,
                                       "format": "nvfp4-pack-quantized"}},
         "ignore": sorted(ignore)}, "fp4lab": {"layout": "nvfp4", **(metadata or {})}}

@@ -252,8 +252,11 @@ def test_the_moe_hybrid_is_laid_out_as_nemotron_h_moe():
                                      "moe_bias_rate": 0.0}))  # top-1 softmax: weight 1
     from experiments.engines import check_nemotron_h
 
-    with pytest.raises(ValueError, match="MoE blocks: llama.cpp runs them as nemotron_h_moe"):
-        check_nemotron_h(cfg)  # not written yet: refused by name
+    check_nemotron_h(cfg)  # llama.cpp's nemotron_h_moe runs it
+    for pattern, why in [("M*E-", "MLP blocks beside MoE blocks"),
+                         ("*E", "no Mamba or no attention block")]:
+        with pytest.raises(ValueError, match=f"nemotron_h_moe cannot run .*{why}"):
+            check_nemotron_h(dataclasses.replace(cfg, pattern=pattern))
 
 
 @pytest.mark.slow
