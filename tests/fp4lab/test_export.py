@@ -61,6 +61,41 @@ def test_quantized_weights_are_the_forward_gemms_weights(recipe):
     assert w["norm/scale"] is params["params"]["norm"]["scale"]
 
 
+@pytest.mark.parametrize("scale", ["expert", "shared"])
+def test_an_expert_stack_is_each_experts_weight_as_the_grouped_gemm_multiplies_it(scale):
+    """An expert stack ``[E, K, N]`` named by ``experts=`` becomes one QArray per expert,
+    each the weight the recipe's forward GEMM multiplies for that expert (quantize_operand,
+    bit for bit; and read off :func:`fp4lab.qragged_dot` itself: identity rows through each
+    expert, activations kept float32), with its own NVFP4 tensor amax or, under
+    ``expert_scale="shared"``, the stack's."""
+    recipe = dataclasses.replace(get_recipe("nvfp4"), name=f"nvfp4_w_{scale}",
+                                 fprop_x=OperandQuant(format="fp32"), expert_scale=scale)
+    e, k, n = 3, 32, 48
+    stack = jax.random.normal(jax.random.key(0), (e, k, n)) * jnp.array([1, 4, 0.25])[:, None,
+                                                                                     None]
+    params = {"moe": {"experts": {"up": stack}}, "head": {"kernel": jnp.ones((n, 8))}}
+    w = export.quantized_weights(params, PrecisionPolicy(default=recipe),
+                                 experts={"moe/experts/up": "moe/experts/ragged_dot_0"})
+    got = w["moe/experts/up"]
+    assert isinstance(got, tuple) and len(got) == e
+    eye = jnp.tile(jnp.eye(k), (e, 1))
+    used = fp4lab.qragged_dot(eye, stack, jnp.full((e,), k), recipe,
+                              jax.random.key(1)).reshape(e, k, n)  # SR: the backward's
+    want = np.abs(np.asarray(stack)).max(axis=(1, 2))
+    shared = jnp.float32(want.max()) if scale == "shared" else None
+    for j in range(e):
+        mine = np.asarray(got[j].dequantize())
+        np.testing.assert_array_equal(mine, np.asarray(quantize_operand(
+            stack[j][None], recipe.fprop_w, 1, None, global_amax=shared,
+            outer=False).values[0]))  # bit for bit, as the dense kernels' test
+        # the GEMM applies the tensor factor after its product: an ulp apart, not a scale
+        np.testing.assert_allclose(mine, np.asarray(used[j]), rtol=3e-7, atol=0)
+    amax = [float(q.global_scale) for q in got]
+    assert amax == (want.tolist() if scale == "expert" else [want.max()] * e)
+    with pytest.raises(ValueError, match="experts names stacks the parameters do not have"):
+        export.quantized_weights(params, "nvfp4", experts={"moe/up": "moe/ragged_dot_0"})
+
+
 def test_a_policy_names_the_weights_it_keeps_in_high_precision():
     policy = PrecisionPolicy(rules=(Rule(name="head", pattern="head", recipe="bf16"),),
                              default="q4_0_qat", name="q4_0_bf16_head")
