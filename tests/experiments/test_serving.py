@@ -622,3 +622,54 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
           f"{per_position.max():.1e}, bound {bound:.1e}; positions within {FP32_TOL:g}: "
           f"{np.mean(per_position <= FP32_TOL):.1%})  transformers BF16 "
           f"{transformers:.5f}  {gguf_file.stat().st_size:,} bytes, {hf}")
+
+
+def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
+    """An MoE block in llama.cpp's ``nemotron_h_moe`` names, shapes, types and keys (its
+    typed expert keys: the norm a bool, the scale a float): each expert stack one tensor
+    ``[E, out, in]`` whose experts GGML's own dequantizer reads as fp4lab's per-expert
+    QArrays, the router float32 ``[E, D]``, the routing bias ``exp_probs_b.bias``, the
+    all-zero shared expert llama.cpp requires; read back by fp4lab bit for bit."""
+    import jax
+    from gguf import GGUFReader, quants
+
+    from experiments.model import expert_stacks
+
+    cfg = ModelConfig(**{**MOE_MODEL, "d_model": 32, "num_heads": 2, "moe_latent": 0,
+                         "moe_shared": False})
+    params = HybridLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    weights = export.quantized_weights({"params": params}, "q4_0_qat",
+                                       experts=expert_stacks(cfg))
+    tensors, names = engines.nemotron_h_tensors(weights, cfg)
+    meta = engines.nemotron_h_metadata(cfg, context_length=16)
+    path = export.save(tensors, tmp_path / "m.gguf", "gguf", names=names.__getitem__,
+                       metadata=meta, arch=engines.arch_of(cfg))
+    reader = GGUFReader(str(path))
+    field = reader.fields
+    assert bytes(field["general.architecture"].parts[-1]).decode() == "nemotron_h_moe"
+    kinds = {k: field[f"nemotron_h_moe.{k}"].types[0].name for k in (
+        "expert_count", "expert_weights_norm", "expert_weights_scale",
+        "expert_shared_feed_forward_length")}
+    assert kinds == {"expert_count": "UINT32", "expert_weights_norm": "BOOL",
+                     "expert_weights_scale": "FLOAT32",
+                     "expert_shared_feed_forward_length": "UINT32"}
+    assert field["nemotron_h_moe.feed_forward_length"].contents() == [0, 0, 64]
+    by_name = {t.name: t for t in reader.tensors}
+    mine = {n: by_name[n] for n in by_name if n.startswith("blk.2.")}
+    assert {n: (t.tensor_type.name, [int(x) for x in reversed(t.shape)])
+            for n, t in mine.items()} == {
+        "blk.2.attn_norm.weight": ("F32", [32]), "blk.2.ffn_gate_inp.weight": ("F32", [4, 32]),
+        "blk.2.exp_probs_b.bias": ("F32", [4]), "blk.2.ffn_up_exps.weight": ("Q4_0", [4, 64, 32]),
+        "blk.2.ffn_down_exps.weight": ("Q4_0", [4, 32, 64]),
+        "blk.2.ffn_up_shexp.weight": ("F32", [16, 32]),
+        "blk.2.ffn_down_shexp.weight": ("F32", [32, 16])}
+    assert not np.asarray(mine["blk.2.ffn_down_shexp.weight"].data).any()
+    up = quants.dequantize(np.asarray(mine["blk.2.ffn_up_exps.weight"].data),
+                           mine["blk.2.ffn_up_exps.weight"].tensor_type).reshape(4, 64, 32)
+    back = export.load(path)["blocks_2/moe/experts/up/kernel"]
+    for e, q in enumerate(weights["blocks_2/moe/experts/up"]):
+        np.testing.assert_array_equal(up[e].T, np.asarray(q.dequantize()))  # GGML's reading
+        np.testing.assert_array_equal(np.asarray(back[e].dequantize()),
+                                      np.asarray(q.dequantize()))
+    np.testing.assert_array_equal(mine["blk.2.ffn_gate_inp.weight"].data,
+                                  np.asarray(params["blocks_2"]["moe"]["router"]["kernel"]).T)
