@@ -27,12 +27,27 @@ fp4lab parameter                       GGUF tensor (shapes in NumPy order, ``[ou
                                        part keeps its blocks and bytes)
 ``blocks_i/attention/out/kernel``      ``blk.i.attn_output.weight``
 ``blocks_i/mlp/{up,down}/kernel``      ``blk.i.ffn_up.weight`` / ``blk.i.ffn_down.weight``
+``blocks_i/moe/router/kernel``         ``blk.i.ffn_gate_inp.weight`` ``[E, D]``, float32
+``blocks_i/moe/router_bias``           ``blk.i.exp_probs_b.bias`` ``[E]`` (zeros without one)
+``blocks_i/moe/experts/{up,down}``     ``blk.i.ffn_up_exps`` / ``ffn_down_exps.weight``
+                                       ``[E, out, in]``, each expert's blocks stacked (NVFP4:
+                                       a ``.scale`` ``[E]``, one per expert)
+``blocks_i/moe/latent_{down,up}``      ``blk.i.ffn_latent_down`` / ``ffn_latent_up.weight``
+``blocks_i/moe/shared_expert/...``     ``blk.i.ffn_up_shexp`` / ``ffn_down_shexp.weight``
+                                       (required: an F32 all-zero one of width 16 without)
 ``final_norm/scale``                   ``output_norm.weight``
 ``head/kernel``                        ``output.weight``
 =====================================  ======================================================
 
+A model with MoE blocks is llama.cpp's ``nemotron_h_moe`` (the same loader and graph, which
+its converter names so for a Nemotron-H with experts), with the expert keys of
+:func:`_moe_metadata`. llama.cpp routes as ``experiments.moe.route``'s sigmoid: scores
+``sigmoid(router)``, the top-k of the scores plus the bias, weights the chosen (unbiased)
+scores normalized; the router and the shared expert see the block's full width, the experts
+the latent one.
+
 Each block's kind is read by llama.cpp from two per-layer arrays: ``feed_forward_length``
-(``F`` for an MLP block, else 0) and ``attention.head_count_kv`` (the heads for an attention
+(``F`` for an MLP block, the experts' width for an MoE block, else 0) and ``attention.head_count_kv`` (the heads for an attention
 block, else 0); a block with both 0 is a Mamba-2 block.
 
 Details llama.cpp fixes, checked against the model (nothing needed a new model option):
@@ -57,7 +72,11 @@ cannot compute, the same as transformers' NemotronH cannot (``experiments.hf_nem
 table ``UNSUPPORTED``): ``residual_gate`` (a gated residual write), ``residual_format``
 (the residual stream stored in FP8), ``ssm_state_format`` other than ``fp32`` (the Mamba
 state stored in a low precision) and flash attention with ``attention_accumulate`` below
-FP32. Backward-only options (``attention_saved``, ``mlp_saved``) pass.
+FP32, the MoE options NemotronH cannot route (a softmax router, fewer than 2 experts, a
+router below float32, ``moe_dispatch``); and the patterns llama.cpp cannot hold: MLP blocks
+beside MoE blocks (once a file has experts, every feed-forward block loads as an MoE block)
+and a pattern without a Mamba block or without an attention block (llama.cpp's hybrid memory
+aborts at the first decode). Backward-only options (``attention_saved``, ``mlp_saved``) pass.
 
 The vocabulary (:func:`tokenizer_metadata`): the byte vocabulary as GPT-2's byte-level BPE
 (token ``b`` is byte ``b`` in GPT-2's byte-to-unicode alphabet), a ``tokenizers`` BPE

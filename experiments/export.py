@@ -7,8 +7,9 @@ The run's last checkpoint, each kernel as the run's model computes it under its 
 (``precision.policy``, or ``--policy``; read from the quantized model's record of its forward
 pass: recipe and compute dtype per GEMM), written in ``--layout``:
 
-* ``gguf``: llama.cpp's ``nemotron_h`` (``experiments.engines``: tensor names, keys and
-  vocabulary; weights F32/F16/BF16, Q8_0, Q4_0, MXFP4 or NVFP4 as the policy gives them);
+* ``gguf``: llama.cpp's ``nemotron_h`` (``nemotron_h_moe`` with MoE blocks;
+  ``experiments.engines``: tensor names, keys and vocabulary; weights F32/F16/BF16, Q8_0,
+  Q4_0, MXFP4 or NVFP4 as the policy gives them, an expert stack one tensor);
 * ``bf16``, ``nvfp4`` (compressed-tensors), ``nvfp4_modelopt`` (ModelOpt, weight-only): a
   transformers ``NemotronHForCausalLM`` folder (``experiments.hf_nemotron_h``);
 * ``mxfp4`` is refused: gpt-oss's MXFP4 safetensors are loaded by transformers and vLLM for
@@ -127,7 +128,7 @@ class Served:
 
 # what the command writes, one row per layout (docs/export.md's table of engines)
 SERVED = {
-    "gguf": Served("llama.cpp (nemotron_h)", _check_gguf, _write_gguf),
+    "gguf": Served("llama.cpp (nemotron_h, nemotron_h_moe)", _check_gguf, _write_gguf),
     "bf16": Served("transformers (NemotronHForCausalLM)", _check_hf, _write_bf16),
     "nvfp4": Served("transformers, vLLM (compressed-tensors NVFP4)", _check_hf,
                     _write_hf_nvfp4),
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="a .gguf file, or a folder for the others")
     ap.add_argument("--policy", default=None, help="instead of the run's own policy")
     ap.add_argument("--gguf-arch", default=engines.ARCH, choices=GGUF_ARCHS,
-                    help=f"gguf: {engines.ARCH} (llama.cpp runs it; default) or fp4lab (the "
+                    help=f"gguf: {engines.ARCH} (llama.cpp runs it, as {engines.MOE_ARCH} with "
+                    "MoE blocks; default) or fp4lab (the "
                     "tensors under fp4lab's names, which no engine runs as a model)")
     args = ap.parse_args(argv)
     from experiments.step import model_config
@@ -268,9 +270,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({args.layout})")
-    if args.layout == "gguf":
-        for line in engines.notes(model_config(run.config, run.data), args.gguf_arch):
-            print(f"  {line}")
+    cfg = model_config(run.config, run.data)
+    for line in (engines.notes(cfg, args.gguf_arch) if args.layout == "gguf"
+                 else hf_nemotron_h.notes(cfg, args.layout)):
+        print(f"  {line}")
     return 0
 
 

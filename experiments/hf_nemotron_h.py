@@ -90,7 +90,7 @@ from experiments.engines import split_columns
 from experiments.model import ModelConfig, RMSNorm, expert_stacks
 
 __all__ = ["UNSUPPORTED", "HF_BLOCKS", "ZERO_SHARED", "check_expressible", "hf_config", "hf_name",
-           "hf_layout", "moe_stand_ins", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
+           "hf_layout", "moe_stand_ins", "notes", "write_bf16", "write_nvfp4", "check_output", "refused_options"]
 
 HF_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # 5.24's
 # the width of the all-zero shared expert written for MoE blocks without one (transformers
@@ -139,6 +139,20 @@ _MIXER = {  # a block's mixer parameter (after hf_layout) -> NemotronH's name un
 _EXPERT = re.compile(r"experts/(\d+)/(up|down)/kernel")  # one expert of a stack (hf_layout)
 _FLOAT32 = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")  # kept so by NemotronH
 _MTP = ("mtp_proj/", "mtp_block/", "mtp_norm_h/", "mtp_norm_e/", "mtp_head/")
+
+
+def notes(cfg: ModelConfig, layout: str) -> list[str]:
+    """What the export command says about a NemotronH folder of ``cfg`` in ``layout``."""
+    out = []
+    if layout == "nvfp4" and "E" in cfg.pattern:
+        out.append("the expert stacks are NVFP4 modules, one global scale per expert: vLLM "
+                   "serves them, transformers 5.24 does not (it decompresses its fused "
+                   "experts without their weight_global_scale, each 2688 / amax off); "
+                   "serve this run in transformers from --layout bf16")
+    if cfg.mtp:
+        out.append("the multi-token-prediction head (mtp_*) is left out: transformers' "
+                   "NemotronH does not load DeepSeek-V3-style MTP layers")
+    return out
 
 
 def refused_options(cfg: ModelConfig) -> list[str]:

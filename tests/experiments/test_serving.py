@@ -557,7 +557,7 @@ MOE_MODEL = dict(pattern="M*E", d_model=64, num_heads=4, moe_experts=4, moe_top_
 
 @pytest.mark.slow
 def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qat_loss(
-        train_tiny, tmp_path):
+        train_tiny, tmp_path, capsys):
     """The MoE hybrid trained 8 steps with NVFP4 expert stacks (``nvfp4_experts``: one
     tensor scale per expert, the rest BF16), exported by the command: as llama.cpp's
     ``nemotron_h_moe`` (the expert stacks in GGML's NVFP4 with one ``.scale`` per expert)
@@ -618,10 +618,20 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
                                "mismatched_keys": [], "error_msgs": []}, info["loading"]
     transformers = -float(jnp.mean(token_log_probs(jnp.asarray(logits), targets)))
     assert abs(transformers - qat) < 0.005 * qat, (transformers, qat)
-    print(f"\nMoE QAT (nvfp4_experts) {qat:.5f}  llama.cpp {llama:.5f} (same arithmetic "
-          f"{per_position.max():.1e}, bound {bound:.1e}; positions within {FP32_TOL:g}: "
-          f"{np.mean(per_position <= FP32_TOL):.1%})  transformers BF16 "
-          f"{transformers:.5f}  {gguf_file.stat().st_size:,} bytes, {hf}")
+    # the NVFP4 folder (vLLM's: tests/fp4lab/test_vllm_config.py), and what the command says
+    from experiments.export import main
+
+    capsys.readouterr()
+    assert main(["--run", str(folder), "--layout", "nvfp4", "--out", str(tmp_path / "nv")]) == 0
+    assert "transformers 5.24 does not" in capsys.readouterr().out
+    group = json.loads((tmp_path / "nv" / "config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]
+    assert group["targets"] == [r"re:^model\.layers\.2\.mixer\.experts\.\d+\..+$"]
+    with capsys.disabled():
+        print(f"\nMoE QAT (nvfp4_experts) {qat:.5f}  llama.cpp {llama:.5f} (same arithmetic "
+              f"{per_position.max():.1e}, bound {bound:.1e}; positions within {FP32_TOL:g}: "
+              f"{np.mean(per_position <= FP32_TOL):.1%})  transformers BF16 "
+              f"{transformers:.5f}  {gguf_file.stat().st_size:,} bytes, {hf}")
 
 
 def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
