@@ -579,7 +579,7 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
                                                       np.asarray(targets)[:, -1:]], axis=1))
     np.save(tmp_path / "tokens.npy", np.asarray(inputs))
     gguf_file = export_run(folder, "gguf", tmp_path / "moe.gguf")
-    hf = export_run(folder, "bf16", tmp_path / "bf16")
+    export_run(folder, "bf16", tmp_path / "bf16")
     consumers = Path(__file__).parents[2] / "tests" / "consumers"
     for script, args in (("llama_eval.py", ("windows.npy", "moe.gguf", "llama.npz")),
                          ("hf_eval.py", ("tokens.npy", "bf16", "hf.npz"))):
@@ -618,6 +618,17 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
                                "mismatched_keys": [], "error_msgs": []}, info["loading"]
     transformers = -float(jnp.mean(token_log_probs(jnp.asarray(logits), targets)))
     assert abs(transformers - qat) < 0.005 * qat, (transformers, qat)
+    # transformers computes fp4lab's float32 forward on the folder's weights (BF16, the router
+    # and its bias float32) within float32 rounding, and reads the bias (it changes choices)
+    bf16 = with_weights(run.params, {
+        k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in _flat(run.params).items()
+        if "/router" not in k})
+    tolerance = 2e-5 * np.abs(logits).max()  # float32 sums in another order, ~10 layers
+    ref, unbiased = (np.asarray(validation_logits(run.config, p, run.data, "fp32",
+                                                  dtype=jnp.float32)[2]) for p in (
+        bf16, with_weights(bf16, {"blocks_2/moe/router_bias": np.zeros(4)})))
+    assert np.abs(logits - ref).max() <= tolerance, np.abs(logits - ref).max()
+    assert np.abs(logits - unbiased).max() > 10 * tolerance
     # the NVFP4 folder (vLLM's: tests/fp4lab/test_vllm_config.py), and what the command says
     from experiments.export import main
 
@@ -631,7 +642,15 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
         print(f"\nMoE QAT (nvfp4_experts) {qat:.5f}  llama.cpp {llama:.5f} (same arithmetic "
               f"{per_position.max():.1e}, bound {bound:.1e}; positions within {FP32_TOL:g}: "
               f"{np.mean(per_position <= FP32_TOL):.1%})  transformers BF16 "
-              f"{transformers:.5f}  {gguf_file.stat().st_size:,} bytes, {hf}")
+              f"{transformers:.5f} (max|logit diff| {np.abs(logits - ref).max():.1e} of "
+              f"{np.abs(ref).max():.2f})  {gguf_file.stat().st_size:,} bytes")
+
+
+def _flat(params) -> dict:
+    import jax
+
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): v
+            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
