@@ -22,17 +22,33 @@ For each folder, as vLLM does when it starts a model:
    selection refuses the scheme; the scheme it chose is read off that refusal and the
    kernel's reason printed);
 4. the shards that vLLM's model class fuses (``packed_modules_mapping``, from vLLM's model
-   registry for the config's architecture): vLLM keeps one global scale per fused layer.
+   registry for the config's architecture): vLLM keeps one global scale per fused layer;
+5. every expert stack (index modules ``<stack>.<j>.<proj>``, ``<stack>`` ending in
+   ``.experts``; left out of 3 and 4): vLLM has no Linear for them but one fused-MoE layer
+   per stack, built here by vLLM's ``FusedMoEFactory`` with NemotronH's arguments
+   (models/nemotron_h.py:229-253) at the stack's shape and the quantization config: the
+   method it dispatches to (ModelOpt: ``get_quant_method``, exclusion by substring of
+   ``ignore``, modelopt.py:191-264; compressed-tensors: ``get_moe_method``, the schemes of
+   ``<stack>.0.up_proj``/``.0.None``/``.0.down_proj``, compressed_tensors_moe.py:27-58), the
+   parameters it registers, and every checkpoint tensor of the stack loaded through vLLM's
+   ``RoutedExperts.load_weights`` (its ``build_expert_params_mapping`` names, its
+   ``weight_loader``) and read back. Two refusals of a machine without a GPU are answered
+   as on a CUDA GPU and printed (``GpuAnswers``); the kernels' weight processing
+   (``process_weights_after_loading``) does not run.
 
-Prints what vLLM decided, one ``key: value`` per line, then ``RESULT {json}`` per folder.
-Exit status 1 if any folder fails: no method detected, ``from_config`` raising, a quantized
-module that vLLM would treat as unquantized (or the reverse), or a parameter vLLM registers
-that the checkpoint lacks (W4A4 NVFP4 without ``input_scale``: vLLM would read uninitialized
-memory as the activation scale), or shards of one fused layer with different global
-scales (vLLM would dequantize all but one of them off by the ratio).
+Prints what vLLM decided, one ``key: value`` per line, then ``RESULT {json}`` per folder
+(expert stacks under its ``experts`` key). Exit status 1 if any folder fails: no method
+detected, ``from_config`` raising, a quantized module or expert stack that vLLM would treat
+as unquantized (or the reverse), or a parameter vLLM registers that the checkpoint lacks
+(W4A4 NVFP4 without ``input_scale``: vLLM would read uninitialized memory as the activation
+scale; vLLM 0.33 checks nothing of the kind for a quantized model, default_loader.py:510-520),
+or shards of one fused layer with different global scales (vLLM would dequantize all but one
+of them off by the ratio), or, for an expert stack, a dispatch that raises, a checkpoint
+tensor that no parameter takes, or one that vLLM's loader stores as other values.
 """
 
 import json
+import re
 import struct
 import sys
 import tempfile
@@ -61,8 +77,11 @@ def header(folder: Path) -> tuple[dict, dict]:
     return tensors, index
 
 
-def linear_modules(tensors: dict, index: dict) -> dict[str, dict]:
-    """module -> {"quantized": bool, "in": K, "out": N} for the checkpoint's linear layers:
+EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.([^.]+)$")
+
+
+def kernel_modules(tensors: dict, index: dict) -> dict[str, dict]:
+    """module -> {"quantized": bool, "in": K, "out": N} for the checkpoint's 2-D kernels:
     fp4lab's index names kernels (``.../kernel``) and their format; a quantized weight is
     stored packed (two codes a byte)."""
     modules = {}
@@ -73,10 +92,26 @@ def linear_modules(tensors: dict, index: dict) -> dict[str, dict]:
         module = key.rsplit(".", 1)[0]
         _, shape = tensors[key]
         if len(shape) != 2:
-            continue  # an expert stack or other N-d kernel: not a Linear
+            continue  # an N-d kernel: not a Linear
         n, k = shape
         modules[module] = {"quantized": quantized, "out": n, "in": 2 * k if quantized else k}
     return modules
+
+
+def linear_modules(modules: dict) -> dict[str, dict]:
+    """The kernels vLLM builds a Linear for: all but the experts'."""
+    return {m: shape for m, shape in modules.items() if not EXPERT.match(m)}
+
+
+def expert_stacks(modules: dict) -> dict[str, dict]:
+    """stack -> {expert: {projection: shape}} for the kernels named
+    ``<stack>.<expert>.<projection>`` with ``<stack>`` ending in ``.experts``."""
+    stacks: dict[str, dict] = {}
+    for module, shape in modules.items():
+        if m := EXPERT.match(module):
+            stack, expert, proj = m.groups()
+            stacks.setdefault(stack, {}).setdefault(int(expert), {})[proj] = shape
+    return stacks
 
 
 def detect(folder: Path):
@@ -260,15 +295,333 @@ def fused_scales(folder: Path, mc, modules: dict, out: dict) -> list[str]:
     return fails
 
 
+class GpuAnswers:
+    """The two questions on which vLLM 0.33 refuses an NVFP4 fused-MoE layer on a machine
+    without a GPU (here vLLM's ``UnspecifiedPlatform``), answered as on a CUDA GPU, each
+    answer recorded in ``given``:
+
+    - ``FusedMoEConfig.__post_init__`` refuses a non-gated MoE (NemotronH's relu2) on any
+      platform but CUDA, ROCm and XPU (fused_moe/config.py:1410-1415): where it does, it is
+      run again with ``current_platform.is_cuda_alike()`` answering yes;
+    - ``select_nvfp4_moe_backend`` (fused_moe/oracle/nvfp4.py:191-321) asks each kernel class
+      of each backend, in vLLM's order, ``is_supported_config``, whose first test is
+      ``_supports_current_device`` (modular_kernel.py:590): every class that says no here is
+      offered, for the selection only, as a subclass that says yes. vLLM's order and every
+      other test (non-gated, activation, quantization scheme, routing, hidden size) still
+      decide; the method keeps the real class.
+    """
+
+    def __init__(self):
+        self.given: list[str] = []
+
+    def moe_config_cls(self):
+        from vllm.model_executor.layers.fused_moe import config as moe_config
+
+        given = self.given
+
+        class MoEConfig(moe_config.FusedMoEConfig):
+            def __post_init__(self):
+                try:
+                    super().__post_init__()
+                except NotImplementedError as e:
+                    if "is_act_and_mul=False" not in str(e):
+                        raise
+                    given.append(f"FusedMoEConfig: {e!s} (config.py:1410-1415): answered "
+                                 "as on CUDA")
+                    platform = moe_config.current_platform
+
+                    class CudaAlike:
+                        def __getattr__(self, name):
+                            return getattr(platform, name)
+
+                        def is_cuda_alike(self):
+                            return True
+
+                    moe_config.current_platform = CudaAlike()
+                    try:
+                        super().__post_init__()
+                    finally:
+                        moe_config.current_platform = platform
+
+        return MoEConfig
+
+    def __enter__(self):
+        from vllm.model_executor.layers.fused_moe.oracle import nvfp4
+
+        self.oracle, self.kernels = nvfp4, nvfp4.backend_to_kernel_cls
+
+        def any_device(cls):
+            try:
+                if cls._supports_current_device():
+                    return cls
+            except Exception:  # a device query this machine cannot answer
+                pass
+            return type(cls.__name__, (cls,), {"_supports_current_device": staticmethod(
+                lambda: True), "real_kernel": cls})
+
+        nvfp4.backend_to_kernel_cls = lambda backend: [any_device(c)
+                                                       for c in self.kernels(backend)]
+        return self
+
+    def __exit__(self, *exc):
+        self.oracle.backend_to_kernel_cls = self.kernels
+
+    def restore(self, method) -> None:
+        """Put the real kernel class back in ``method`` and record the answer it needed."""
+        cls = getattr(method, "experts_cls", None)
+        if real := getattr(cls, "real_kernel", None):
+            method.experts_cls = real
+            backend = getattr(method, "nvfp4_backend", None)
+            self.given.append(f"kernel: {real.__name__} ({getattr(backend, 'value', backend)})"
+                              " does not run on this machine; chosen as the first in vLLM's "
+                              "order that accepts this layer apart from the device")
+
+
+def moe_layer(mc, qc, stack: str, shape: dict, answers: GpuAnswers | None):
+    """vLLM's fused-MoE layer for ``stack``, as ``NemotronHMoE`` makes it
+    (models/nemotron_h.py:229-253): ``FusedMoEFactory`` (fused_moe/layer.py:92), which
+    builds ``RoutedExperts`` (its quantization method dispatched by the config through
+    ``resolve_quant_method``, ``UnquantizedFusedMoEMethod`` where that gives none,
+    routed_experts.py:227-241; its parameters created, :213) inside an ``MoERunner``, with
+    NemotronH's routing and activation, its checkpoint names ``("up_proj", "down_proj",
+    None)`` and the checkpoint's expert count and sizes (hidden: up_proj's input,
+    intermediate: its output). Not passed: the shared experts and latent projections, layers
+    of their own, and ``params_dtype``: the model's dtype, as vLLM's loader makes it the
+    default while it builds the model."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import activation_without_mul
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    hf = mc.hf_config
+    vllm_config = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype):
+        return FusedMoEFactory(
+            num_experts=shape["experts"], top_k=hf.num_experts_per_tok,
+            hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+            renormalize=hf.norm_topk_prob, quant_config=qc, use_grouped_topk=True,
+            num_expert_group=hf.n_group, topk_group=hf.topk_group, prefix=stack,
+            scoring_func="sigmoid",
+            e_score_correction_bias=torch.nn.Parameter(torch.zeros(shape["experts"])),
+            activation=activation_without_mul(hf.mlp_hidden_act),
+            routed_scaling_factor=hf.routed_scaling_factor, apply_routed_scale_to_output=True,
+            router_logits_dtype=torch.float32, ckpt_names=("up_proj", "down_proj", None),
+            moe_config_cls=answers.moe_config_cls() if answers else None)
+
+
+def refused_method(error: Exception | None):
+    """The fused-MoE method vLLM had chosen when ``error`` stopped the layer's construction:
+    the ``self`` of the method's frame (its constructor selecting a kernel), if any."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    for frame, _ in traceback.walk_tb(error.__traceback__ if error else None):
+        if isinstance(method := frame.f_locals.get("self"), FusedMoEMethodBase):
+            return method
+    return None
+
+
+def unused_params(method, params: dict) -> set[str]:
+    """The parameters that vLLM registers and then never reads, so that the checkpoint may
+    lack them: the activation scales of a weight-only (``use_a16``) NVFP4 method when its
+    backend is MARLIN or HUMMING, which drop them (fused_moe/oracle/nvfp4.py:452-453 and
+    461-462). Those two are the only backends of vLLM's order (nvfp4.py:203-212) whose
+    kernels take NVFP4 weights without an activation key (``_supports_quant_scheme``); B12X
+    and FLASHINFER_B12X do too, but only when asked for (``moe_backend``), and are not
+    described here. The method registers the scales all the same, ``torch.empty``
+    (modelopt.py:1012-1026, compressed_tensors_moe_w4a4_nvfp4.py:168-185)."""
+    backend = getattr(getattr(method, "nvfp4_backend", None), "value", None)
+    if not getattr(method, "use_a16", False) or backend not in ("MARLIN", "HUMMING"):
+        return set()
+    return {n for n in params if "input_scale" in n or "input_global_scale" in n}
+
+
+def slot(param: torch.Tensor, expert: int, shard: str, gated: bool) -> torch.Tensor:
+    """Where ``RoutedExperts.weight_loader`` puts one expert's shard of ``param``
+    (``_load_w13``, routed_experts.py:529-578; ``_load_per_tensor_weight_scale``, :337-352):
+    w13 holds w1 then w3 when gated, w1 alone when not; per-tensor scales one value a
+    shard."""
+    data = param.data[expert]
+    if gated and shard in ("w1", "w3"):
+        i = 0 if shard == "w1" else 1
+        data = data[i] if data.ndim == 1 else data.narrow(0, i * data.shape[0] // 2,
+                                                          data.shape[0] // 2)
+    return data
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() != b.numel():
+        return False
+    a, b = a.reshape(-1).double(), b.reshape(-1).double()
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def config_shape(hf, stack: str, shape: dict) -> list[str]:
+    """NemotronHMoE sizes its layer from config.json, not from the tensors
+    (models/nemotron_h.py:150-155 and 229-236): ``n_routed_experts``, ``moe_latent_size``
+    (``hidden_size`` without it) and ``moe_intermediate_size`` must be the stack's."""
+    latent = getattr(hf, "moe_latent_size", None)
+    config = {"experts": ("n_routed_experts", getattr(hf, "n_routed_experts", None)),
+              "hidden": ("moe_latent_size" if latent is not None else "hidden_size",
+                         latent if latent is not None else getattr(hf, "hidden_size", None)),
+              "intermediate": ("moe_intermediate_size",
+                               getattr(hf, "moe_intermediate_size", None))}
+    return [f"{stack}: vLLM sizes the layer by config.json's {key} = {value}; the "
+            f"checkpoint's stack: {what} = {shape[what]}"
+            for what, (key, value) in config.items() if value != shape[what]]
+
+
+def moe_stack(mc, qc, model_cls, stack: str, experts: dict,
+              tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
+    """vLLM's verdict on one expert stack: the fused-MoE layer ``moe_layer`` builds, its
+    method (quantized or not, as the experts are), and the checkpoint's tensors of the stack
+    (``tensors``: name -> values) loaded into it by ``RoutedExperts.load_weights``
+    (routed_experts.py:1004-1105; through ``MoERunner.load_weights``, as the model's
+    ``AutoWeightsLoader`` hands them over), one at a time, after the model's name mapper
+    (``hf_to_vllm_mapper.map_name``). A tensor is loaded when vLLM's mapping
+    (``get_expert_mapping(include_fused=True)``, i.e. ``build_expert_params_mapping``) names a
+    parameter for it, the loader accepts it, and that expert's shard of the parameter reads
+    back as the tensor's values. Fails: a method unquantized for NVFP4 experts (or the
+    reverse); a raising dispatch, factory or loader; a tensor not loaded; an expert's shard of
+    a registered parameter that no tensor fills (it stays ``torch.empty``), unless vLLM never
+    reads it (``unused_params``). ``UnquantizedFusedMoEMethod`` selects its kernel on a
+    platform question ``GpuAnswers`` does not answer (oracle/unquantized.py:62-106): where
+    vLLM dispatches to it, the layer is not built here, the method is read off the refusal
+    (``refused_method``) and no parameter is checked."""
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.activation import activation_without_mul
+
+    entry: dict = {}
+    projections = {p for shapes in experts.values() for p in shapes}
+    if projections != {"up_proj", "down_proj"}:
+        return entry, [f"{stack}: projections {sorted(projections)}; this check describes "
+                       "NemotronH's non-gated experts (up_proj, down_proj) only"]
+    kinds = {s["quantized"] for shapes in experts.values() for s in shapes.values()}
+    if len(kinds) != 1:
+        return entry, [f"{stack}: some expert projections are NVFP4 and some are not; vLLM "
+                       "gives the fused layer one quantization method"]
+    quantized = kinds.pop()
+    up = experts[min(experts)]["up_proj"]
+    shape = {"experts": max(experts) + 1, "hidden": up["in"], "intermediate": up["out"]}
+    entry.update(shape, activation=activation_without_mul(mc.hf_config.mlp_hidden_act))
+    sized = config_shape(mc.hf_config, stack, shape)
+    answers, runner, error = None, None, None
+    try:
+        runner = moe_layer(mc, qc, stack, shape, None)
+    except Exception:  # a refusal of this machine, or a real one: ask again
+        answers = GpuAnswers()
+        try:
+            with answers:
+                runner = moe_layer(mc, qc, stack, shape, answers)
+        except Exception as e:
+            error = e
+        entry["answered_as_gpu"] = answers.given
+    method = runner.routed_experts.quant_method if runner else refused_method(error)
+    if answers and method is not None:
+        answers.restore(method)
+    if method is not None:
+        entry.update(method=type(method).__name__,
+                     quantized=not isinstance(method, UnquantizedFusedMoEMethod))
+        for attr in ("use_a16", "nvfp4_backend", "experts_cls"):
+            if (value := getattr(method, attr, None)) is not None:
+                entry[attr] = getattr(value, "value", getattr(value, "__name__", value))
+    fails = list(sized)
+    if method is not None and entry["quantized"] != quantized:
+        kind = "NVFP4" if quantized else "unquantized"
+        fails.append(f"{stack}: the checkpoint's experts are {kind}, vLLM's fused-MoE layer "
+                     f"dispatches to {type(method).__name__}")
+    if error is not None:
+        if method is None or not fails:
+            fails.append(f"{stack}: vLLM's fused-MoE layer: {type(error).__name__}: {error}")
+        entry["not_built"] = f"{type(error).__name__}: {error}"
+    if len(fails) > len(sized):
+        return entry, fails
+    routed = runner.routed_experts
+    params = {n: p for n, p in routed.named_parameters() if n.startswith(("w13_", "w2_"))}
+    entry["params"] = {n: f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+                       for n, p in sorted(params.items())}
+    unused = unused_params(method, params)
+    entry["unused"] = sorted(unused)
+    gated = routed.moe_config.is_act_and_mul
+    mapping = routed.get_expert_mapping(include_fused=True)
+    mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
+    filled, wrong, loaded_tensors = set(), set(), 0
+    for name, value in sorted(tensors.items()):
+        mapped = mapper.map_name(name) if mapper else name
+        if mapped is None or not mapped.startswith(stack + "."):
+            fails.append(f"{name}: vLLM's name mapper makes it {mapped!r}, not the stack's")
+            continue
+        targets = [(mapped.replace(w, p).removeprefix(stack + "."), e, s)
+                   for p, w, e, s in mapping if w in mapped]
+        if not targets:
+            fails.append(f"{name}: no parameter of vLLM's fused-MoE layer takes it (no entry "
+                         "of build_expert_params_mapping matches)")
+            continue
+        try:
+            loaded = list(runner.load_weights([(mapped.removeprefix(stack + "."), value)]))
+        except Exception as e:
+            fails.append(f"{name}: vLLM's loader raises {type(e).__name__}: {e}")
+            continue
+        for param, expert, shard in targets:
+            if f"routed_experts.{param}" not in loaded:
+                fails.append(f"{name}: vLLM's loader does not take it into {param}")
+            elif not same(got := slot(params[param], expert, shard, gated), value):
+                wrong.add((param, expert, shard))
+                fails.append(f"{name}: vLLM's loader stores it in {param}[{expert}] ({shard}) "
+                             f"as {str(got.dtype).removeprefix('torch.')}{list(got.shape)} "
+                             "values other than the checkpoint's "
+                             f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}")
+            else:
+                filled.add((param, expert, shard))
+                loaded_tensors += 1
+    shards = {"w13": ("w1", "w3") if gated else ("w1",), "w2": ("w2",)}
+    for param in sorted(params):
+        want = {(param, e, s) for e in range(shape["experts"])
+                for s in shards[param.split("_", 1)[0]]}
+        missing = sorted(want - filled - wrong)
+        if missing and param not in unused and params[param].numel():
+            fails.append(f"{stack}.{param}: vLLM registers it ({entry['params'][param]}); no "
+                         f"checkpoint tensor fills {[f'{e}:{s}' for _, e, s in missing]}: they "
+                         "stay uninitialized (torch.empty)")
+    entry["loaded"] = f"{loaded_tensors} of {len(tensors)} checkpoint tensors"
+    entry["global_scales"] = {
+        n: [float(v) for v in params[n].detach().float().reshape(shape["experts"], -1)[:, 0]]
+        for n in sorted(params) if n.endswith(GLOBAL_SCALES)
+        and all((n, e, s) in filled for e in range(shape["experts"])
+                for s in shards[n.split("_", 1)[0]])}
+    return entry, fails
+
+
+def moe(folder: Path, mc, qc, modules: dict, out: dict) -> list[str]:
+    """``moe_stack`` for every expert stack of the folder."""
+    from safetensors import safe_open
+
+    stacks = expert_stacks(modules)
+    if not stacks:
+        return []
+    cls, _ = mc.registry.resolve_model_cls(mc.architectures, model_config=mc)
+    values = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            values.update({k: st.get_tensor(k) for k in st.keys()
+                           if any(k.startswith(s + ".") for s in stacks)})
+    fails = []
+    for stack, experts in sorted(stacks.items()):
+        mine = {k: v for k, v in values.items() if k.startswith(stack + ".")}
+        out["experts"][stack], f = moe_stack(mc, qc, cls, stack, experts, mine)
+        fails += f
+    return fails
+
+
 def check(folder: Path) -> tuple[dict, list[str]]:
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
     tensors, index = header(folder)
-    modules = linear_modules(tensors, index)
-    out = {"folder": str(folder), "modules": {}}
-    if not any(m["quantized"] for m in modules.values()):
-        return out, [f"{folder}: no quantized linear module in fp4lab's index"]
+    kernels = kernel_modules(tensors, index)
+    modules = linear_modules(kernels)
+    out = {"folder": str(folder), "modules": {}, "experts": {}}
+    if not any(m["quantized"] for m in kernels.values()):
+        return out, [f"{folder}: no quantized module in fp4lab's index"]
     mc, raw = detect(folder)
     out.update(quantization=mc.quantization, config_read=raw)
     if mc.quantization is None:
@@ -284,13 +637,14 @@ def check(folder: Path) -> tuple[dict, list[str]]:
         fails = compressed_tensors(qc, modules, tensors, out)
     else:
         return out, [f"vLLM chose {qc.get_name()!r}, which this check does not describe"]
-    return out, fails + fused_scales(folder, mc, modules, out)
+    return out, fails + fused_scales(folder, mc, modules, out) + moe(folder, mc, qc, kernels,
+                                                                    out)
 
 
 def report(out: dict, fails: list[str]) -> None:
     print(f"== {out['folder']}")
     for key, value in out.items():
-        if key not in ("folder", "modules"):
+        if key not in ("folder", "modules", "experts"):
             print(f"{key}: {json.dumps(value, default=str)}")
     groups: dict[str, list[str]] = {}  # modules that vLLM treats alike, printed once
     for module, entry in out["modules"].items():
@@ -299,6 +653,10 @@ def report(out: dict, fails: list[str]) -> None:
         print(f"modules {modules}:")
         for key, value in json.loads(entry).items():
             print(f"    {key}: {json.dumps(value)}")
+    for stack, entry in out.get("experts", {}).items():
+        print(f"experts {stack} (one fused-MoE layer):")
+        for key, value in entry.items():
+            print(f"    {key}: {json.dumps(value, default=str)}")
     for f in fails:
         print(f"FAIL: {f}")
     print("RESULT " + json.dumps({**out, "fails": fails, "ok": not fails}, default=str))

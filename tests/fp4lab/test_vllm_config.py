@@ -8,8 +8,10 @@ export extends it): every projection NVFP4 (with one amax, as vLLM fuses q/k/v a
 and keeps one global scale for each fused layer), ``lm_head`` BF16. Beside the folders as
 ``fp4lab.export.save`` writes them, hand-edited copies record which configuration vLLM
 0.33 accepts for the ModelOpt layout, weight-only (W4A16) and W4A4, and why the others fail
-(the vLLM source lines are in each case's note). Skipped where ``.venv-vllm`` is absent
-(``make test`` does not build it; ``make check-vllm`` does).
+(the vLLM source lines are in each case's note). Beside them, a tiny NemotronH with an MoE
+layer (experts NVFP4, everything else BF16) as ``experiments.hf_nemotron_h.write_nvfp4``
+writes it in both layouts: vLLM loads its experts into one fused-MoE layer. Skipped where
+``.venv-vllm`` is absent (``make test`` does not build it; ``make check-vllm`` does).
 """
 
 import json
@@ -35,6 +37,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
          "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
 PROJECTIONS = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + \
               [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+MOE_STACK = "model.layers.2.mixer.experts"
 
 
 def _vllm_python() -> Path:
@@ -74,6 +77,25 @@ def _folder(path: Path, layout: str, shared_amax: bool = True, **kw) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(LLAMA))
     return export.save(_weights(shared_amax), path, layout, **kw)
+
+
+def _nemotron_h_moe(root: Path) -> dict[str, Path]:
+    """A NemotronH ``M*E`` (Mamba, attention, MoE: 4 experts of width 128 on a latent of 64,
+    top-2, sigmoid router), its experts NVFP4 (``moe_preset("gpt_oss", experts="nvfp4")``),
+    written in both layouts: ``moe_nvfp4`` (compressed-tensors), ``moe_modelopt``."""
+    from experiments.hf_nemotron_h import write_nvfp4
+    from experiments.model import HybridLM, ModelConfig
+    from fp4lab.flax import quantize_model
+    from fp4lab.policy.presets import moe_preset
+
+    cfg = ModelConfig(pattern="M*E", d_model=64, num_heads=4, moe_experts=4, moe_top_k=2,
+                      moe_router="sigmoid", moe_bias_rate=0.01, moe_latent=64, dtype="float32")
+    inputs = jnp.zeros((2, 32), jnp.int32)
+    params = HybridLM(cfg).init(jax.random.key(1), inputs)["params"]
+    record = quantize_model(HybridLM(cfg), moe_preset("gpt_oss", experts="nvfp4")).assignments(
+        {"params": params}, inputs, rngs={"quant": jax.random.key(0)})
+    return {name: write_nvfp4(params, record, cfg, root / name, max_positions=32, layout=layout)
+            for name, layout in (("moe_nvfp4", "nvfp4"), ("moe_modelopt", "nvfp4_modelopt"))}
 
 
 def _edit(src: Path, dst: Path, hf_quant: dict | None = None,
@@ -139,6 +161,7 @@ def vllm(tmp_path_factory):
                "nvfp4_own_amax": _folder(root / "nvfp4_own_amax", "nvfp4", shared_amax=False)}
     for name, (src, hf, qc) in EDITS.items():
         folders[name] = _edit(folders[src], root / name, hf, qc)
+    folders.update(_nemotron_h_moe(root))
     run = subprocess.run([str(python), str(SCRIPT), *map(str, folders.values())], text=True,
                          capture_output=True, timeout=600, cwd=ROOT)
     results = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines()
@@ -239,3 +262,23 @@ def _assert_serves(r: dict, mode: str) -> None:
     else:
         _assert_modules(r, method="ModelOptLinearMethod", activation="None",
                         params=[*params, "(input_scale)"])
+
+
+@pytest.mark.parametrize("name, method", [("moe_nvfp4", "CompressedTensorsW4A4Nvfp4MoEMethod"),
+                                          ("moe_modelopt", "ModelOptNvFp4FusedMoE")])
+def test_vllm_loads_the_nemotron_h_experts_into_one_fused_moe_layer(vllm, name, method):
+    """NemotronH's per-expert ``up_proj``/``down_proj`` are no Linear layers in vLLM but one
+    non-gated (relu2) fused-MoE layer (nemotron_h.py:229-253): its dispatch gives the weight-only
+    NVFP4 MoE method, and vLLM's ``RoutedExperts.load_weights`` takes all 24 expert tensors
+    (4 experts x 2 projections x weight, block scales, global scale) into its parameters, every
+    one it registers filled but the activation scales that W4A16 never reads."""
+    r = vllm[name]
+    assert r["ok"], r["fails"]
+    moe = r["experts"][MOE_STACK]
+    assert (moe["method"], moe["quantized"], moe["use_a16"]) == (method, True, True), moe
+    assert (moe["experts"], moe["hidden"], moe["intermediate"], moe["activation"]) == \
+        (4, 64, 128, "relu2_no_mul")
+    assert moe["loaded"] == "24 of 24 checkpoint tensors"
+    assert all(n.startswith(("w13_input", "w2_input")) for n in moe["unused"]), moe["unused"]
+    assert len(moe["global_scales"]) == 2
+    assert not any(m.startswith(MOE_STACK + ".") for m in r["modules"])
