@@ -653,12 +653,16 @@ def _flat(params) -> dict:
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
+@pytest.mark.parametrize("recipe, ggml_type", [("q4_0_qat", "Q4_0"),
+                                               ("mxfp4_weights", "MXFP4"), ("bf16", "BF16")])
+def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(recipe, ggml_type,
+                                                                    tmp_path):
     """An MoE block in llama.cpp's ``nemotron_h_moe`` names, shapes, types and keys (its
     typed expert keys: the norm a bool, the scale a float): each expert stack one tensor
     ``[E, out, in]`` whose experts GGML's own dequantizer reads as fp4lab's per-expert
-    QArrays, the router float32 ``[E, D]``, the routing bias ``exp_probs_b.bias``, the
-    all-zero shared expert llama.cpp requires; read back by fp4lab bit for bit."""
+    weights (QArrays, or the BF16 stack), the router float32 ``[E, D]``, the routing bias
+    ``exp_probs_b.bias``, the all-zero shared expert llama.cpp requires; read back by fp4lab
+    bit for bit."""
     import jax
     from gguf import GGUFReader, quants
 
@@ -667,8 +671,7 @@ def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
     cfg = ModelConfig(**{**MOE_MODEL, "d_model": 32, "num_heads": 2, "moe_latent": 0,
                          "moe_shared": False})
     params = HybridLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    weights = export.quantized_weights({"params": params}, "q4_0_qat",
-                                       experts=expert_stacks(cfg))
+    weights = export.quantized_weights({"params": params}, recipe, experts=expert_stacks(cfg))
     tensors, names = engines.nemotron_h_tensors(weights, cfg)
     meta = engines.nemotron_h_metadata(cfg, context_length=16)
     path = export.save(tensors, tmp_path / "m.gguf", "gguf", names=names.__getitem__,
@@ -688,17 +691,23 @@ def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(tmp_path):
     assert {n: (t.tensor_type.name, [int(x) for x in reversed(t.shape)])
             for n, t in mine.items()} == {
         "blk.2.attn_norm.weight": ("F32", [32]), "blk.2.ffn_gate_inp.weight": ("F32", [4, 32]),
-        "blk.2.exp_probs_b.bias": ("F32", [4]), "blk.2.ffn_up_exps.weight": ("Q4_0", [4, 64, 32]),
-        "blk.2.ffn_down_exps.weight": ("Q4_0", [4, 32, 64]),
+        "blk.2.exp_probs_b.bias": ("F32", [4]),
+        "blk.2.ffn_up_exps.weight": (ggml_type, [4, 64, 32]),
+        "blk.2.ffn_down_exps.weight": (ggml_type, [4, 32, 64]),
         "blk.2.ffn_up_shexp.weight": ("F32", [16, 32]),
         "blk.2.ffn_down_shexp.weight": ("F32", [32, 16])}
     assert not np.asarray(mine["blk.2.ffn_down_shexp.weight"].data).any()
-    up = quants.dequantize(np.asarray(mine["blk.2.ffn_up_exps.weight"].data),
-                           mine["blk.2.ffn_up_exps.weight"].tensor_type).reshape(4, 64, 32)
+    t = mine["blk.2.ffn_up_exps.weight"]
+    raw = np.asarray(t.data)
+    up = (raw.view(ml_dtypes.bfloat16).astype(np.float32) if ggml_type == "BF16"
+          else quants.dequantize(raw, t.tensor_type)).reshape(4, 64, 32)
     back = export.load(path)["blocks_2/moe/experts/up/kernel"]
-    for e, q in enumerate(weights["blocks_2/moe/experts/up"]):
-        np.testing.assert_array_equal(up[e].T, np.asarray(q.dequantize()))  # GGML's reading
-        np.testing.assert_array_equal(np.asarray(back[e].dequantize()),
-                                      np.asarray(q.dequantize()))
+    stack = weights["blocks_2/moe/experts/up"]
+    for e in range(4):
+        want = (np.asarray(stack[e].dequantize()) if isinstance(stack, tuple)
+                else np.asarray(stack[e], np.float32))
+        np.testing.assert_array_equal(up[e].T, want)  # GGML's reading
+        np.testing.assert_array_equal(np.asarray(back[e].dequantize() if isinstance(
+            stack, tuple) else back[e], np.float32), want)
     np.testing.assert_array_equal(mine["blk.2.ffn_gate_inp.weight"].data,
                                   np.asarray(params["blocks_2"]["moe"]["router"]["kernel"]).T)
