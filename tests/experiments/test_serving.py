@@ -599,17 +599,15 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
     llama = float(served["loss"])
     assert abs(llama - qat) < 0.005 * qat, (llama, qat)
     params = with_weights(run.params, _served_kernels(gguf_file))
-    same, exact = (np.asarray(validation_logits(run.config, params, run.data, PrecisionPolicy(
-        rules=(Rule(name="experts", recipe=_x_recipe(x), kind="experts"),),
-        default=_x_recipe(other)), dtype=jnp.float32)[2])
-        for x, other in (("int8_q8_0", "bf16"), ("fp32", "fp32")))
+    same = np.asarray(validation_logits(run.config, params, run.data, PrecisionPolicy(
+        rules=(Rule(name="experts", recipe=_x_recipe("int8_q8_0"), kind="experts"),),
+        default=_x_recipe("bf16")), dtype=jnp.float32)[2])
     per_position = np.abs(served["logits"] - same).max(-1)
-    bound = _logit_bound(same, exact)
-    assert per_position.max() <= bound, (per_position.max(), bound)
-    # a top-k choice near a tie that an activation rounding flips makes the bound loose (an
-    # expert swapped: exact and same 0.81 apart at one position); llama.cpp itself agrees to
-    # float32 rounding except after an activation on a rounding point (measured: 97 % of
-    # the positions within FP32_TOL, the rest 1.3e-2 at most)
+    # not _logit_bound: an activation rounding that flips a near-tie top-k choice swaps an
+    # expert (measured: the float32-activation forward 0.81 from this one at one position),
+    # so that bound says little here (1.6); llama.cpp agrees to float32 rounding but after an
+    # activation on a rounding point (measured: 97.5 % of the positions within FP32_TOL, the
+    # rest 1.3e-2 at most; an expert stack read in the wrong order: 2.7)
     assert np.mean(per_position <= FP32_TOL) >= 0.8, per_position
 
     with np.load(tmp_path / "hf.npz") as f:
@@ -640,7 +638,7 @@ def test_a_qat_trained_moe_hybrid_runs_in_llama_cpp_and_transformers_with_its_qa
     assert group["targets"] == [r"re:^model\.layers\.2\.mixer\.experts\.\d+\..+$"]
     with capsys.disabled():
         print(f"\nMoE QAT (nvfp4_experts) {qat:.5f}  llama.cpp {llama:.5f} (same arithmetic "
-              f"{per_position.max():.1e}, bound {bound:.1e}; positions within {FP32_TOL:g}: "
+              f"{per_position.max():.1e}; positions within {FP32_TOL:g}: "
               f"{np.mean(per_position <= FP32_TOL):.1%})  transformers BF16 "
               f"{transformers:.5f} (max|logit diff| {np.abs(logits - ref).max():.1e} of "
               f"{np.abs(ref).max():.2f})  {gguf_file.stat().st_size:,} bytes")
@@ -670,7 +668,10 @@ def test_the_moe_hybrid_is_written_as_nemotron_h_moe_and_read_back(recipe, ggml_
 
     cfg = ModelConfig(**{**MOE_MODEL, "d_model": 32, "num_heads": 2, "moe_latent": 0,
                          "moe_shared": False})
-    params = HybridLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    shapes = jax.eval_shape(HybridLM(cfg).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    rng = np.random.default_rng(0)  # any values: the layout is under test, not the model
+    params = jax.tree.map(lambda a: (rng.standard_normal(a.shape) * 0.1).astype(np.float32),
+                          shapes)["params"]
     weights = export.quantized_weights({"params": params}, recipe, experts=expert_stacks(cfg))
     tensors, names = engines.nemotron_h_tensors(weights, cfg)
     meta = engines.nemotron_h_metadata(cfg, context_length=16)
