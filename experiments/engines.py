@@ -249,7 +249,8 @@ def nemotron_h_tensors(weights: dict, cfg) -> tuple[dict, dict[str, str]]:
     used |= {f"blocks_{i}/moe/experts/{x}" for i in range(len(cfg.pattern)) for x in ("up", "down")}
     left = sorted(k for k in w if k not in used and not k.startswith("mtp_"))
     if left:
-        raise ValueError(f"parameters llama.cpp's {ARCH} has no tensor for: {left[:5]}")
+        raise ValueError(f"parameters llama.cpp's {arch_of(cfg)} has no tensor for: "
+                         f"{left[:5]}")
     return ({k: v for k, (_, v) in mapped.items()}, {k: n for k, (n, _) in mapped.items()})
 
 

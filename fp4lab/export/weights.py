@@ -14,6 +14,7 @@ from fp4lab.policy import get_policy, param_layers
 from fp4lab.numerics.qarray import QArray
 from fp4lab.numerics.quantize import quantize
 from fp4lab.numerics.rounding import abs_max
+from fp4lab.gemm.operand_quant import takes_tensor_amax
 
 # GGML's formats whose blocks of zero scale the export takes from GGML's C arithmetic
 GGML_FORMATS = ("int4_q4_0", "int8_q8_0")
@@ -153,8 +154,7 @@ def _expert_weights(path: str, value, a, compute_dtype):
         return w.astype(op.format.element.storage)
     _check_fixed(path, a.recipe)
     w = w.astype(jnp.float32)
-    shared = a.recipe.expert_scale == "shared" and (op.format.has_global_scale
-                                                     or op.format.granularity == "tensor")
+    shared = a.recipe.expert_scale == "shared" and takes_tensor_amax(op)
     amax = abs_max(w) if shared else None  # the stack's, as the grouped GEMM's pmax
     return tuple(_quantize_weight(f"{path}[{e}]", w[e], op, amax) for e in range(w.shape[0]))
 

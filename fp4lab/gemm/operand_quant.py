@@ -101,7 +101,9 @@ def observed_amax(x, op: OperandQuant, axis: int, signs) -> jax.Array:
     return abs_max(x)
 
 
-def _takes_tensor_amax(op: OperandQuant) -> bool:
+def takes_tensor_amax(op: OperandQuant) -> bool:
+    """Whether ``op`` quantizes with a per-tensor amax (NVFP4's global scale, or a
+    per-tensor format's): what an expert stack shares under ``expert_scale="shared"``."""
     return not op.format.is_passthrough and (op.format.has_global_scale
                                              or op.format.granularity == "tensor")
 
@@ -127,7 +129,7 @@ class OperandContext(NamedTuple):
         if recipe.expert_scale == "shared":
             for o in OPERAND_TABLE:
                 op = recipe.operands[o.name]
-                if o.gemm in gemms and _takes_tensor_amax(op):
+                if o.gemm in gemms and takes_tensor_amax(op):
                     src = tensors["fwd_" + o.role] if op.source == "forward" else tensors[
                         o.role]
                     amax[o.name] = jax.lax.pmax(observed_amax(
